@@ -1,0 +1,133 @@
+"""Save and load PQ codebooks: safetensors tensors + JSON metadata (never pickle).
+
+File layout: one tensor per named codebook set (e.g. ``"key"`` and ``"value"``),
+each float32[*G, M, K, dsub]; the safetensors header metadata holds one entry
+``"million_jax"`` with a JSON object: format version, per-tensor M/nbits/dsub
+and group shape, and whatever the caller adds (model fingerprint, calibration
+settings, ...). Loading checks every field against the tensors and against
+what the caller expects.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from million_jax.pq import Codebooks
+
+FORMAT = "million-jax-codebooks"
+VERSION = 1
+_META_KEY = "million_jax"
+
+
+class CodebookFileError(ValueError):
+    """A codebook file is missing, corrupt, truncated or does not match what is expected."""
+
+
+def save_codebooks(
+    path: str | os.PathLike,
+    codebooks: Mapping[str, Codebooks],
+    metadata: Mapping[str, Any] | None = None,
+) -> None:
+    """Write named codebooks and JSON-serialisable ``metadata`` to ``path``."""
+    from safetensors.numpy import save_file
+
+    if not codebooks:
+        raise ValueError("save_codebooks: nothing to save")
+    tensors: dict[str, np.ndarray] = {}
+    entries: dict[str, Any] = {}
+    for name, cb in codebooks.items():
+        cb.validate()
+        arr = np.ascontiguousarray(np.asarray(cb.centroids, dtype=np.float32))
+        tensors[name] = arr
+        entries[name] = {
+            "M": cb.num_subspaces,
+            "nbits": cb.nbits,
+            "dsub": cb.dsub,
+            "group_shape": list(cb.group_shape),
+        }
+    header = {"format": FORMAT, "version": VERSION, "codebooks": entries, "user": dict(metadata or {})}
+    try:
+        text = json.dumps(header, sort_keys=True)
+    except TypeError as e:
+        raise ValueError(f"save_codebooks: metadata is not JSON-serialisable: {e}") from None
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    save_file(tensors, tmp, metadata={_META_KEY: text})
+    os.replace(tmp, path)
+
+
+def load_codebooks(
+    path: str | os.PathLike,
+    expect: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Codebooks], dict[str, Any]]:
+    """Read codebooks written by :func:`save_codebooks`.
+
+    Args:
+      path: the .safetensors file.
+      expect: optional checks. Keys ``M``, ``nbits``, ``dsub``, ``group_shape``
+        are compared against every codebook; any other key is compared against
+        the saved user metadata (e.g. ``{"model_fingerprint": ...}``).
+
+    Returns:
+      (codebooks by name, user metadata)
+    Raises:
+      CodebookFileError naming the file and the first mismatch.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CodebookFileError(f"codebook file not found: {path}")
+    try:
+        with safe_open(path, framework="numpy") as f:
+            raw_meta = f.metadata() or {}
+            names = list(f.keys())
+            tensors = {n: f.get_tensor(n) for n in names}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CodebookFileError(f"{path}: not a readable safetensors file (corrupt or truncated?): {e}") from None
+
+    if _META_KEY not in raw_meta:
+        raise CodebookFileError(f"{path}: no million-jax metadata; not a codebook file written by million-jax")
+    try:
+        header = json.loads(raw_meta[_META_KEY])
+    except json.JSONDecodeError as e:
+        raise CodebookFileError(f"{path}: metadata is not valid JSON: {e}") from None
+    if header.get("format") != FORMAT:
+        raise CodebookFileError(f"{path}: unknown format {header.get('format')!r}")
+    if header.get("version") != VERSION:
+        raise CodebookFileError(f"{path}: format version {header.get('version')} (this code reads {VERSION})")
+
+    entries = header.get("codebooks", {})
+    if set(entries) != set(names):
+        raise CodebookFileError(f"{path}: tensors {sorted(names)} do not match metadata {sorted(entries)}")
+    out: dict[str, Codebooks] = {}
+    for name, arr in tensors.items():
+        e = entries[name]
+        want = tuple(e["group_shape"]) + (e["M"], 2 ** e["nbits"], e["dsub"])
+        if arr.shape != want:
+            raise CodebookFileError(f"{path}: tensor {name!r} has shape {arr.shape}, metadata says {want}")
+        if arr.dtype != np.float32:
+            raise CodebookFileError(f"{path}: tensor {name!r} has dtype {arr.dtype}, expected float32")
+        if not np.isfinite(arr).all():
+            raise CodebookFileError(f"{path}: tensor {name!r} contains NaN/Inf")
+        for field in ("M", "nbits", "dsub", "group_shape"):
+            if expect and field in expect:
+                got = list(e[field]) if field == "group_shape" else e[field]
+                exp = list(expect[field]) if field == "group_shape" else expect[field]
+                if got != exp:
+                    raise CodebookFileError(
+                        f"{path}: codebook {name!r} has {field}={got}, expected {exp}"
+                    )
+        out[name] = Codebooks(centroids=arr)
+    user = header.get("user", {})
+    for field, exp in (expect or {}).items():
+        if field in ("M", "nbits", "dsub", "group_shape"):
+            continue
+        if user.get(field) != exp:
+            raise CodebookFileError(
+                f"{path}: metadata {field}={user.get(field)!r} does not match expected {exp!r}"
+            )
+    return out, user
