@@ -1,0 +1,182 @@
+"""Batched autoregressive generation: prefill, then one jitted ``lax.while_loop``.
+
+``generate`` compiles prefill + the whole decode loop into one XLA program
+with the cache donated, so there is no host round trip and no reallocation
+per token. Every sequence in the batch stops on its own:
+
+    STOP_EOS        it emitted one of the EOS ids (the EOS token is included)
+    STOP_MAX_TOKENS it emitted ``max_new_tokens`` tokens
+    STOP_CACHE_FULL the cache has no room for the token it would have to
+                    append to continue (or the prompt itself did not fit);
+                    nothing is ever written past ``max_len``
+
+Finished sequences are frozen (``decode_step(active=...)`` writes nothing for
+them) while the others continue. The last emitted token of each sequence is
+not appended to the cache (as in HF): the cache holds prompt + generated
+tokens minus the last, ready for a follow-up ``prefill``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from million_jax.cache.base import KVCache
+from models.config import LlamaConfig
+from models.llama import Params, decode_step, prefill
+
+__all__ = ["GenerateResult", "generate", "sample_logits", "STOP_RUNNING", "STOP_EOS",
+           "STOP_MAX_TOKENS", "STOP_CACHE_FULL", "STOP_NAMES"]
+
+STOP_RUNNING, STOP_EOS, STOP_MAX_TOKENS, STOP_CACHE_FULL = 0, 1, 2, 3
+STOP_NAMES = {STOP_RUNNING: "running", STOP_EOS: "eos", STOP_MAX_TOKENS: "max_tokens",
+              STOP_CACHE_FULL: "cache_full"}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """Output of ``generate``.
+
+    tokens:        int32[B, max_new_tokens]; row b is valid up to num_generated[b],
+                   then ``pad_id``
+    num_generated: int32[B]
+    stop_reason:   int32[B], one of STOP_EOS / STOP_MAX_TOKENS / STOP_CACHE_FULL
+    cache:         the cache after generation (the input cache was donated)
+    """
+
+    tokens: jax.Array
+    num_generated: jax.Array
+    stop_reason: jax.Array
+    cache: Any
+
+    def stop_reasons(self) -> list[str]:
+        """Per-sequence stop reason names: 'eos' / 'max_tokens' / 'cache_full'."""
+        return [STOP_NAMES[int(r)] for r in jax.device_get(self.stop_reason)]
+
+    def sequences(self) -> list[list[int]]:
+        """The generated token ids of each sequence, trimmed to num_generated."""
+        toks, n = jax.device_get((self.tokens, self.num_generated))
+        return [list(map(int, toks[b, : int(n[b])])) for b in range(toks.shape[0])]
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, temperature: float = 0.0,
+                  top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """Pick one token per row of logits f32[B, V] -> int32[B].
+
+    temperature == 0 is greedy (argmax; key unused). Otherwise logits are
+    divided by temperature, restricted to the top_k largest (0 = all) and to
+    the smallest set whose probability reaches top_p (1.0 = all), and sampled.
+    """
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        srt = jnp.sort(logits, axis=-1)[:, ::-1]                          # descending
+        probs = jax.nn.softmax(srt, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs                       # mass of better tokens
+        keep = before < top_p                                             # always keeps the best
+        cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "max_new_tokens", "temperature", "top_k", "top_p", "eos_ids",
+                     "pad_id"),
+    donate_argnames=("cache",),
+)
+def _generate_jit(params: Params, cache: KVCache, prompt_tokens: jax.Array,
+                  prompt_lengths: jax.Array, key: jax.Array, cache_consts: Any, *,
+                  config: LlamaConfig, max_new_tokens: int, temperature: float, top_k: int,
+                  top_p: float, eos_ids: tuple[int, ...], pad_id: int) -> GenerateResult:
+    b = prompt_tokens.shape[0]
+    max_len = cache.max_len
+    fits = cache.lengths + prompt_lengths <= max_len
+    logits, cache = prefill(config, params, cache, prompt_tokens, prompt_lengths, cache_consts,
+                            last_only=True)
+    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+
+    def emit(i, tok, active, out, n_gen, reason):
+        """Record token tok[b] for active rows as their i-th token; update stop reasons."""
+        out = out.at[:, i].set(jnp.where(active, tok, out[:, i]))
+        n_gen = n_gen + active.astype(jnp.int32)
+        is_eos = jnp.any(tok[:, None] == eos[None, :], axis=-1)
+        reason = jnp.where(active & is_eos, STOP_EOS, reason)
+        reason = jnp.where(active & (reason == STOP_RUNNING) & (n_gen >= max_new_tokens),
+                           STOP_MAX_TOKENS, reason)
+        return out, n_gen, reason
+
+    key, sub = jax.random.split(key)
+    tok = sample_logits(logits, sub, temperature, top_k, top_p)
+    out = jnp.full((b, max_new_tokens), pad_id, jnp.int32)
+    n_gen = jnp.zeros((b,), jnp.int32)
+    reason = jnp.where(fits, STOP_RUNNING, STOP_CACHE_FULL).astype(jnp.int32)
+    out, n_gen, reason = emit(0, tok, fits, out, n_gen, reason)
+
+    def cond(state):
+        i, _, _, _, _, reason, _ = state
+        return (i < max_new_tokens) & jnp.any(reason == STOP_RUNNING)
+
+    def body(state):
+        i, cache, tok, out, n_gen, reason, key = state
+        running = reason == STOP_RUNNING
+        full = cache.lengths >= max_len            # no room to append `tok`
+        reason = jnp.where(running & full, STOP_CACHE_FULL, reason)
+        active = running & ~full
+        logits, cache = decode_step(config, params, cache, tok, cache_consts, active=active)
+        key, sub = jax.random.split(key)
+        nxt = sample_logits(logits, sub, temperature, top_k, top_p)
+        out, n_gen, reason = emit(i, nxt, active, out, n_gen, reason)
+        tok = jnp.where(active, nxt, tok)
+        return i + 1, cache, tok, out, n_gen, reason, key
+
+    state = (jnp.int32(1), cache, tok, out, n_gen, reason, key)
+    _, cache, _, out, n_gen, reason, _ = jax.lax.while_loop(cond, body, state)
+    return GenerateResult(tokens=out, num_generated=n_gen, stop_reason=reason, cache=cache)
+
+
+def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens: jax.Array,
+             prompt_lengths: jax.Array, key: jax.Array | None = None, *,
+             max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, eos_id: int | Sequence[int] | None = None,
+             pad_id: int = 0, cache_consts: Any = None) -> GenerateResult:
+    """Generate up to ``max_new_tokens`` tokens per sequence (see module docstring).
+
+    prompt_tokens:  int[B, T] prompts, left-aligned, row b holds prompt_lengths[b] >= 1
+                    real tokens; they are appended to what ``cache`` already holds.
+    key:            PRNG key (required unless temperature == 0).
+    eos_id:         stop id(s); None -> config.eos_ids; () -> never stop on EOS.
+    The cache is donated: do not use the passed cache afterwards, use result.cache.
+    """
+    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+    prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
+    chex.assert_rank(prompt_tokens, 2)
+    chex.assert_shape(prompt_lengths, (prompt_tokens.shape[0],))
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or not 0.0 < top_p <= 1.0 or top_k < 0:
+        raise ValueError(f"bad sampling settings: temperature={temperature}, top_k={top_k}, "
+                         f"top_p={top_p}")
+    if key is None:
+        if temperature != 0.0:
+            raise ValueError("a PRNG key is required when temperature > 0")
+        key = jax.random.key(0)
+    if eos_id is None:
+        eos_ids = tuple(config.eos_ids)
+    elif isinstance(eos_id, int):
+        eos_ids = (eos_id,)
+    else:
+        eos_ids = tuple(int(e) for e in eos_id)
+    return _generate_jit(params, cache, prompt_tokens, prompt_lengths, key, cache_consts,
+                         config=config, max_new_tokens=int(max_new_tokens),
+                         temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                         eos_ids=eos_ids, pad_id=int(pad_id))

@@ -1,0 +1,278 @@
+"""A functional LLaMA-family decoder: RMSNorm, RoPE (+ llama3 scaling), GQA, SwiGLU.
+
+Why plain functions over a parameter pytree, with Flax only for initialisers
+(rather than ``linen.Module`` or ``nnx.Module``):
+
+* the cache protocol (``million_jax/cache/base.py``) scans the layers with
+  ``lax.scan`` over params stacked on a leading ``L`` axis *and* the cache's
+  per-layer state at the same time. A 20-line ``scan`` over dicts says that
+  directly; Linen needs ``nn.scan`` with ``variable_axes``/``split_rngs``
+  plumbing and NNX needs ``nnx.split``/``merge`` around ``nnx.scan``.
+* ``generate`` threads params and a donated cache through ``jax.jit`` and a
+  ``lax.while_loop``: a dict of arrays needs no ``apply``/``merge`` wrappers,
+  no module state, and its tree structure is trivially stable.
+* loaders build the dict straight from checkpoint tensors, and users can cast,
+  shard or save it with ``jax.tree`` utilities.
+
+Params pytree (weights are ``[in, out]``, i.e. ``y = x @ w``; ``D = hidden``,
+``F = intermediate``, ``H``/``Hkv`` heads, ``d = head_dim``, ``L`` layers)::
+
+    {"embed":      [V, D],
+     "layers": {"attn_norm": [L, D],
+                "wq": [L, D, H*d], "wk": [L, D, Hkv*d], "wv": [L, D, Hkv*d],
+                "wo": [L, H*d, D],
+                "mlp_norm": [L, D],
+                "w_gate": [L, D, F], "w_up": [L, D, F], "w_down": [L, F, D],
+                # only with config.attention_bias: "bq" [L, H*d], "bk", "bv" [L, Hkv*d], "bo" [L, D]
+                # only with config.mlp_bias: "b_gate", "b_up" [L, F], "b_down" [L, D]
+               },
+     "final_norm": [D],
+     "lm_head":    [D, V]}          # absent when config.tie_word_embeddings
+
+All leaves share one float dtype (fp32 or bf16); matmuls run in that dtype,
+RMSNorm statistics, RoPE, softmax and the logits are computed in fp32.
+Logits are always f32.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.nnx import initializers
+
+from million_jax.attention import causal_attention
+from million_jax.cache.base import KVCache
+from million_jax.cache.dense import DenseCache
+from models.config import LlamaConfig
+
+Params = dict[str, Any]
+
+__all__ = ["Params", "param_shapes", "init_params", "cast_params", "init_cache",
+           "rope_inv_freq", "forward", "prefill", "decode_step"]
+
+
+# ---------------------------------------------------------------- parameters
+def param_shapes(config: LlamaConfig) -> Params:
+    """The params tree with shape tuples as leaves (used by loaders to validate)."""
+    c = config
+    L, D, F, V = c.n_layers, c.hidden, c.intermediate, c.vocab
+    qd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    layers = {
+        "attn_norm": (L, D), "wq": (L, D, qd), "wk": (L, D, kvd), "wv": (L, D, kvd),
+        "wo": (L, qd, D), "mlp_norm": (L, D),
+        "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D),
+    }
+    if c.attention_bias:
+        layers.update(bq=(L, qd), bk=(L, kvd), bv=(L, kvd), bo=(L, D))
+    if c.mlp_bias:
+        layers.update(b_gate=(L, F), b_up=(L, F), b_down=(L, D))
+    tree: Params = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
+    if not c.tie_word_embeddings:
+        tree["lm_head"] = (D, V)
+    return tree
+
+
+def init_params(config: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32,
+                stddev: float = 0.02) -> Params:
+    """Random params (normal(stddev) weights, zero biases, unit norms) as in HF init."""
+    shapes = param_shapes(config)
+    flat, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(flat))
+    normal = initializers.normal(stddev)
+    leaves = []
+    for (path, shape), k in zip(flat, keys):
+        name = path[-1].key
+        if name.endswith("norm"):
+            leaves.append(initializers.ones(k, shape, dtype))
+        elif name.startswith("b"):
+            leaves.append(initializers.zeros(k, shape, dtype))
+        else:
+            leaves.append(normal(k, shape, dtype))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def cast_params(params: Params, dtype: Any) -> Params:
+    """All leaves cast to ``dtype`` (e.g. jnp.bfloat16)."""
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+
+
+def init_cache(config: LlamaConfig, batch: int, max_len: int,
+               dtype: Any = jnp.bfloat16) -> DenseCache:
+    """An empty DenseCache shaped for this model."""
+    return DenseCache.create(config.n_layers, batch, config.n_kv_heads, max_len,
+                             config.head_dim, dtype)
+
+
+# ---------------------------------------------------------------- building blocks
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """f32[d/2] inverse frequencies, with the llama3 / linear scaling applied."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    s = config.rope_scaling
+    if s is not None and s.kind == "freq_factors":
+        inv = inv / np.asarray(s.freq_factors, np.float64)
+    elif s is not None and s.kind == "linear":
+        inv = inv / s.factor
+    elif s is not None and s.kind == "llama3":
+        old = s.original_max_position_embeddings
+        low_wavelen = old / s.low_freq_factor
+        high_wavelen = old / s.high_freq_factor
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, blended, scaled)
+    return inv.astype(np.float32)
+
+
+def _rope_tables(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions int[B, T] -> (cos, sin) f32[B, T, d/2]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config))
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x float[B, T, H, d] rotated in HF's half-split layout; cos/sin f32[B, T, d/2]."""
+    half = x.shape[-1] // 2
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x float[..., D] normalised in f32, then scaled by w in x.dtype (as HF)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    y = x @ w
+    return y if b is None else y + b
+
+
+def _block(config: LlamaConfig, lp: Params, h: jax.Array, cos: jax.Array, sin: jax.Array,
+           attend) -> tuple[jax.Array, Any]:
+    """One decoder layer. h: float[B, T, D]; attend(q, k, v) -> (out[B,T,H,d], state)."""
+    c = config
+    b, t, _ = h.shape
+    x = _rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
+    q = _linear(x, lp["wq"], lp.get("bq")).reshape(b, t, c.n_heads, c.head_dim)
+    k = _linear(x, lp["wk"], lp.get("bk")).reshape(b, t, c.n_kv_heads, c.head_dim)
+    v = _linear(x, lp["wv"], lp.get("bv")).reshape(b, t, c.n_kv_heads, c.head_dim)
+    q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    out, state = attend(q, k, v)
+    h = h + _linear(out.reshape(b, t, -1).astype(h.dtype), lp["wo"], lp.get("bo"))
+    x = _rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
+    gate = jax.nn.silu(_linear(x, lp["w_gate"], lp.get("b_gate")))
+    h = h + _linear(gate * _linear(x, lp["w_up"], lp.get("b_up")), lp["w_down"], lp.get("b_down"))
+    return h, state
+
+
+def _run_layers(config: LlamaConfig, params: Params, h: jax.Array, positions: jax.Array,
+                attend, states: Any, consts: Any) -> tuple[jax.Array, Any]:
+    """lax.scan over the stacked layers; attend(state, const, q, k, v) -> (out, state)."""
+    cos, sin = _rope_tables(config, positions)
+
+    def body(h, xs):
+        lp, state, const = xs
+        return _block(config, lp, h, cos, sin, lambda q, k, v: attend(state, const, q, k, v))
+
+    return jax.lax.scan(body, h, (params["layers"], states, consts))
+
+
+def _logits(config: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
+    """h float[..., D] -> f32[..., V] (final norm + LM head)."""
+    h = _rms_norm(h, params["final_norm"], config.rms_norm_eps)
+    if config.tie_word_embeddings:
+        return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def _check_tokens(tokens: jax.Array, rank: int) -> None:
+    chex.assert_rank(tokens, rank)
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integers, got {tokens.dtype}")
+
+
+# ---------------------------------------------------------------- entry points
+@functools.partial(jax.jit, static_argnums=(0,))
+def forward(config: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Cache-free causal forward. tokens int[B, T] -> logits f32[B, T, V]."""
+    _check_tokens(tokens, 2)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    h = params["embed"][tokens]
+
+    def attend(state, const, q, k, v):
+        return causal_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)), None
+
+    h, _ = _run_layers(config, params, h, positions, attend, None, None)
+    return _logits(config, params, h)
+
+
+def _with_cache(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax.Array,
+                n_new: jax.Array, cache_consts: Any) -> tuple[jax.Array, KVCache]:
+    """Run tokens int[B, T] (n_new[b] real ones) through the model, appending to cache.
+
+    Returns (hidden float[B, T, D] before the final norm, new cache).
+    """
+    b, t = tokens.shape
+    chex.assert_shape(n_new, (b,))
+    n_new = n_new.astype(jnp.int32)
+    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    states, consts = cache.layer_slices(cache_consts)
+    for leaf in jax.tree.leaves(states):
+        if leaf.shape[0] != config.n_layers:
+            raise ValueError(f"cache has {leaf.shape[0]} layers, model has {config.n_layers}")
+    h = params["embed"][tokens]
+
+    def attend(state, const, q, k, v):
+        return cache.attend(state, const, q, k, v, n_new)
+
+    h, states = _run_layers(config, params, h, positions, attend, states, consts)
+    return h, cache.advance(states, n_new)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("last_only",))
+def prefill(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax.Array,
+            lengths: jax.Array, cache_consts: Any = None, *,
+            last_only: bool = False) -> tuple[jax.Array, KVCache]:
+    """Append a (ragged) batch of prompts to the cache.
+
+    tokens: int[B, T], row b holds ``lengths[b]`` real tokens then padding.
+    Tokens are placed after what the cache already holds (chunked prefill and
+    multi-turn work by calling this again). Returns (logits, new cache) with
+    logits f32[B, T, V] (rows past lengths[b] are meaningless), or with
+    ``last_only`` f32[B, V] at each sequence's last real token (meaningless
+    where lengths[b] == 0).
+    """
+    _check_tokens(tokens, 2)
+    h, cache = _with_cache(config, params, cache, tokens, lengths, cache_consts)
+    if last_only:
+        idx = jnp.maximum(lengths.astype(jnp.int32) - 1, 0)
+        h = jnp.take_along_axis(h, idx[:, None, None], axis=1)[:, 0]
+    return _logits(config, params, h), cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def decode_step(config: LlamaConfig, params: Params, cache: KVCache, token: jax.Array,
+                cache_consts: Any = None, *,
+                active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """One new token per sequence. token int[B] -> (logits f32[B, V], new cache).
+
+    active: optional bool[B]; rows where it is False write nothing and keep
+    their length (their logits are meaningless). Used by ``generate`` to
+    freeze finished sequences inside a batch.
+    """
+    _check_tokens(token, 1)
+    b = token.shape[0]
+    n_new = jnp.ones((b,), jnp.int32) if active is None else active.astype(jnp.int32)
+    h, cache = _with_cache(config, params, cache, token[:, None], n_new, cache_consts)
+    return _logits(config, params, h[:, 0]), cache

