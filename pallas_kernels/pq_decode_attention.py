@@ -1,0 +1,412 @@
+"""Fused LUT-and-gather split-K decode attention over product-quantised (PQ) KV codes.
+
+One decode query per sequence attends to a KV cache stored as PQ codes: each key / value
+head vector (head_dim d) is M sub-vectors of dsub = d / M dims, each stored as the index of
+its nearest centroid among K = 2**nbits in that subspace's codebook. For query head h of
+KV head g = h // group:
+
+    LUT[m, j] = q_m . Ck_m[j]                         (q_m: sub-vector m of q)
+    score_t   = scale * sum_m LUT[m, ck_tm]           (= scale * q . dequant(k_t))
+    out       = sum_t softmax(score)_t * concat_m Cv_m[cv_tm]
+    lse       = log sum_t exp(score_t)                 (natural log)
+
+over the tokens start[b] <= t < end[b]. The file holds the Pallas kernel (GPU, Triton
+backend; `interpret=True` runs it anywhere) and its pure-jnp reference.
+
+Kernel design (grid = (B, Hkv, num_splits)):
+  * one program per (sequence, KV head, split of the token range); all query heads of the
+    GQA group are the rows of one [block_h, d] tile (block_h = group padded to a power of
+    two >= 16, the minimum M of `tl.dot`; padded rows are zero queries, never stored);
+  * the split's tokens [lo, hi) are walked in tiles of block_t with an online softmax, fp32
+    accumulators; the token range of each sequence is split evenly (ragged batches give
+    every split of a row the same work);
+  * keys, key_path="centroid" (default): the key centroids are gathered by integer-array
+    indexing of the codebook ref, `cb_ref[m, codes[t, m], s]` (lowered to pointer loads),
+    and scored with one [block_h, d] x [d, block_t] dot. This is the LUT sum evaluated
+    lazily: sum_m LUT[m, c_m] = sum_m q_m . Ck_m[c_m] = q . k_hat. Unlike a materialised
+    LUT it needs M (not group * M) lookups per token, from a table shared by every program
+    of the KV head (G = Hkv) or of the whole grid (G = 1) that stays resident in L1/L2.
+  * keys, key_path="lut" (MILLION's formulation): LUT[h, m, j] is built once per call (a
+    small einsum, fp32) and the kernel sums LUT entries gathered by the key codes,
+    `lut_ref[h, m, codes[t, m]]`. Pallas' Triton backend has no scratch memory for a
+    per-program LUT, so building it in the kernel would mean a global-memory scratch per
+    split; the einsum is the cheap form of the same step.
+  * values: value centroids gathered the same way by the value codes and weighted by the
+    probabilities with a [block_h, block_t] x [block_t, d] dot;
+  * every program writes a partial (out, lse) for its split (empty split: out 0, lse -inf);
+    a second step (plain jnp, `merge.merge_stacked`) combines the splits by log-sum-exp.
+  * precision="bf16" (default): dot operands in bf16 with fp32 accumulation, the same
+    arithmetic as a bf16 dense decode; "fp32": exact fp32 dots (slower, for validation).
+
+Why not plain `take_along_axis` in the kernel: the Triton lowering has no gather or slice
+on loaded values; integer-array indexing of a ref (pointer arithmetic) is what lowers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._compat import pl, plgpu, triton_compiler_params, triton_dot
+from pallas_kernels._pq_inputs import PQDims, check_pq_inputs, is_power_of_two
+from pallas_kernels.launch import LaunchConfig, default_launch_config
+from pallas_kernels.merge import merge_stacked
+
+__all__ = [
+    "pq_decode_attention",
+    "pq_decode_attention_reference",
+    "KeyPath",
+    "Precision",
+    "MIN_BLOCK_H",
+]
+
+KeyPath = Literal["centroid", "lut"]
+Precision = Literal["bf16", "fp32"]
+MIN_BLOCK_H = 16  # tl.dot needs M >= 16
+MIN_BLOCK_T = 16  # tl.dot needs N, K >= 16
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+def _split_range(
+    start: jax.Array, end: jax.Array, split: jax.Array, num_splits: int, block_t: int
+) -> tuple[jax.Array, jax.Array]:
+    """[lo, hi) of `split` when [start, end) is cut into num_splits block_t-aligned pieces."""
+    n = jnp.maximum(end - start, 0)
+    per_split = pl.cdiv(pl.cdiv(n, num_splits), block_t) * block_t
+    lo = start + split * per_split
+    hi = jnp.minimum(lo + per_split, end)
+    return lo, hi
+
+
+def _pq_attention_kernel(
+    start_ref,  # int32[B]
+    end_ref,  # int32[B]
+    q_ref,  # f32[block_h, d] (pre-scaled)
+    kc_ref,  # uint8[T, M]
+    vc_ref,  # uint8[T, M]
+    ktab_ref,  # centroid: [M, Kk, dsub] key codebook; lut: f32[group, M, Kk]
+    vcb_ref,  # [M, Kv, dsub] value codebook
+    o_ref,  # f32[block_h, d]
+    lse_ref,  # f32[block_h]
+    *,
+    block_t: int,
+    num_splits: int,
+    group: int,
+    key_path: KeyPath,
+    precision: Precision,
+    k_centroids: int,
+    v_centroids: int,
+) -> None:
+    block_h, head_dim = q_ref.shape
+    num_sub, _, sub_dim = vcb_ref.shape
+    b = pl.program_id(0)
+    lo, hi = _split_range(start_ref[b], end_ref[b], pl.program_id(2), num_splits, block_t)
+    num_tiles = pl.cdiv(jnp.maximum(hi - lo, 0), block_t)
+
+    lut_rows = pl.next_power_of_2(group)
+    dot_dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
+    dot_precision = None if precision == "bf16" else lax.Precision.HIGHEST
+    q = q_ref[...].astype(dot_dtype)
+    t_idx = jnp.arange(block_t, dtype=jnp.int32)
+    m_idx3 = jnp.arange(num_sub, dtype=jnp.int32)[None, :, None]
+    s_idx3 = jnp.arange(sub_dim, dtype=jnp.int32)[None, None, :]
+
+    def load_codes(ref, t0: jax.Array, valid: jax.Array, num_centroids: int) -> jax.Array:
+        # Rows past `hi` are masked (never read out of bounds) and scored -inf below.
+        codes = plgpu.load(ref.at[pl.ds(t0, block_t), :], mask=valid[:, None], other=0)
+        codes = codes.astype(jnp.int32)
+        if num_centroids < 256:  # keep stray codes inside the table (memory safety)
+            codes = jnp.minimum(codes, num_centroids - 1)
+        return codes  # int32[block_t, M]
+
+    def dequantise(cb_ref, codes: jax.Array) -> jax.Array:
+        shape = (block_t, num_sub, sub_dim)
+        idx_m = jnp.broadcast_to(m_idx3, shape)
+        idx_c = jnp.broadcast_to(codes[:, :, None], shape)
+        idx_s = jnp.broadcast_to(s_idx3, shape)
+        cent = cb_ref[idx_m, idx_c, idx_s]  # [block_t, M, dsub], pointer gather
+        return cent.reshape(block_t, head_dim)
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry
+        t0 = lo + i * block_t
+        valid = t0 + t_idx < hi  # [block_t]; >= 1 valid row in every iterated tile
+        kc = load_codes(kc_ref, t0, valid, k_centroids)
+        if key_path == "centroid":
+            k_hat = dequantise(ktab_ref, kc).astype(dot_dtype)
+            scores = triton_dot(q, k_hat, trans_b=True, precision=dot_precision)  # [block_h, block_t]
+        else:
+            # Gather LUT entries for the group's heads only (rows padded to a power of two,
+            # clamped to real heads), then tile the [lut_rows, block_t] scores to block_h
+            # rows: row r holds head r % lut_rows, so rows < group are the real heads.
+            shape = (lut_rows, block_t, num_sub)
+            h_rows = jnp.minimum(jnp.arange(lut_rows, dtype=jnp.int32), group - 1)
+            idx_h = jnp.broadcast_to(h_rows[:, None, None], shape)
+            idx_m = jnp.broadcast_to(jnp.arange(num_sub, dtype=jnp.int32)[None, None, :], shape)
+            idx_c = jnp.broadcast_to(kc[None, :, :], shape)
+            scores = jnp.sum(ktab_ref[idx_h, idx_m, idx_c].astype(jnp.float32), axis=2)
+            if lut_rows < block_h:
+                reps = block_h // lut_rows
+                scores = jnp.broadcast_to(scores[None], (reps, lut_rows, block_t))
+                scores = scores.reshape(block_h, block_t)
+        scores = jnp.where(valid[None, :], scores, -jnp.inf)
+        m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+        correction = jnp.exp(m_prev - m_new)  # 0 on the first tile (m_prev = -inf)
+        p = jnp.exp(scores - m_new[:, None])
+        l_new = correction * l_prev + jnp.sum(p, axis=1)
+        vc = load_codes(vc_ref, t0, valid, v_centroids)
+        v_hat = dequantise(vcb_ref, vc).astype(dot_dtype)
+        pv = triton_dot(p.astype(dot_dtype), v_hat, precision=dot_precision)  # [block_h, d]
+        return correction[:, None] * acc + pv, m_new, l_new
+
+    init = (
+        jnp.zeros((block_h, head_dim), jnp.float32),
+        jnp.full((block_h,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+    )
+    acc, m_i, l_i = lax.fori_loop(0, num_tiles, body, init)
+    nonempty = l_i > 0
+    l_safe = jnp.where(nonempty, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = jnp.where(nonempty, m_i + jnp.log(l_safe), -jnp.inf)
+    if group == block_h:
+        o_ref[...] = out
+        lse_ref[...] = lse
+    else:  # padded query rows are not written (the wrapper drops them)
+        rows = jnp.arange(block_h) < group
+        plgpu.store(o_ref.at[pl.ds(0, block_h), :], out, mask=rows[:, None])
+        plgpu.store(lse_ref.at[pl.ds(0, block_h)], lse, mask=rows)
+
+
+# --------------------------------------------------------------------------- wrapper
+
+
+def _check_kernel_support(
+    dims: PQDims, code_dtype: jnp.dtype, cfg: LaunchConfig, key_path: str, precision: str
+) -> None:
+    if key_path not in ("centroid", "lut"):
+        raise ValueError(f"key_path must be 'centroid' or 'lut', got {key_path!r}")
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+    if code_dtype != jnp.uint8:
+        raise ValueError(
+            f"the Pallas PQ kernel reads uint8 codes (nbits <= 8); got {code_dtype} codes."
+            " Use the XLA path (pq_decode_attention_reference) for nbits > 8."
+        )
+    for name, n in (("head_dim d", dims.head_dim), ("M", dims.num_subspaces), ("dsub", dims.sub_dim)):
+        if not is_power_of_two(n):
+            raise ValueError(f"the Pallas PQ kernel needs a power-of-two {name}, got {n}; use the XLA path")
+    if not is_power_of_two(cfg.block_t) or cfg.block_t < MIN_BLOCK_T:
+        raise ValueError(f"block_t must be a power of two >= {MIN_BLOCK_T}, got {cfg.block_t}")
+    if cfg.num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {cfg.num_splits}")
+    if cfg.num_warps < 1 or not is_power_of_two(cfg.num_warps):
+        raise ValueError(f"num_warps must be a power of two >= 1, got {cfg.num_warps}")
+    if cfg.num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {cfg.num_stages}")
+
+
+def _codebook_spec(cb: jax.Array) -> pl.BlockSpec:
+    g, m, k, ds = cb.shape
+    if g == 1:
+        return pl.BlockSpec((None, m, k, ds), lambda b, h, s: (0, 0, 0, 0))
+    return pl.BlockSpec((None, m, k, ds), lambda b, h, s: (h, 0, 0, 0))
+
+
+def _per_kv_head(cb: jax.Array, num_kv_heads: int) -> jax.Array:
+    """[G, M, K, dsub] -> [Hkv, M, K, dsub] (broadcast when G = 1)."""
+    return jnp.broadcast_to(cb, (num_kv_heads, *cb.shape[1:]))
+
+
+def _build_lut(q_grouped: jax.Array, k_codebooks: jax.Array, dims: PQDims) -> jax.Array:
+    """LUT[b, g, h, m, j] = q_m . Ck_m[j]: f32[B, Hkv, group, M, K]."""
+    qs = q_grouped.reshape(*q_grouped.shape[:3], dims.num_subspaces, dims.sub_dim)
+    cb = _per_kv_head(k_codebooks.astype(jnp.float32), dims.num_kv_heads)
+    return jnp.einsum("bghms,gmks->bghmk", qs, cb, precision=lax.Precision.HIGHEST)
+
+
+def pq_decode_attention(
+    q: jax.Array,
+    k_codes: jax.Array,
+    v_codes: jax.Array,
+    k_codebooks: jax.Array,
+    v_codebooks: jax.Array,
+    start: jax.Array,
+    end: jax.Array,
+    *,
+    scale: float | None = None,
+    block_t: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    key_path: KeyPath = "centroid",
+    precision: Precision = "bf16",
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Decode attention of one query per sequence over PQ-coded keys and values (Pallas).
+
+    Args:
+      q: float[B, H, d] queries; query head h reads KV head h // (H // Hkv).
+      k_codes: uint8[B, Hkv, T, M] key codes (keys quantised after RoPE).
+      v_codes: uint8[B, Hkv, T, M] value codes.
+      k_codebooks: float32|bf16[G, M, K, dsub] key centroids, G = 1 (shared) or Hkv.
+      v_codebooks: float32|bf16[G, M, K, dsub] value centroids, G = 1 or Hkv.
+      start: int32[B]; end: int32[B]: tokens start[b] <= t < end[b] are attended (clipped
+        to [0, T]; an empty range gives out 0 and lse -inf).
+      scale: score scale, default 1 / sqrt(d).
+      block_t: tokens per tile (power of two >= 16); default 64 (centroid) / 16 (lut).
+      num_splits: split-K factor; default from `launch.default_num_splits` (~512 programs).
+      num_warps: Triton warps per program, default 4.  num_stages: default 2.
+      key_path: "centroid" (gather key centroids, one dot per tile; default) or "lut"
+        (MILLION's LUT sum; see the module docstring).
+      precision: "bf16" (bf16 dot operands, fp32 accumulation; default) or "fp32".
+      interpret: run the kernel in Pallas interpret mode (CPU, tests).
+
+    Returns:
+      (out float32[B, H, d], lse float32[B, H]) as `pq_decode_attention_reference`.
+
+    Raises:
+      ValueError: bad shapes / dtypes, or inputs this kernel does not take (uint16 codes,
+        non-power-of-two d / M / dsub): the caller then uses the XLA reference path.
+    """
+    dims = check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end)
+    cfg = default_launch_config(
+        dims.batch,
+        dims.num_kv_heads,
+        dims.seq_len,
+        key_path=key_path if key_path in ("centroid", "lut") else "centroid",
+        block_t=block_t,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    _check_kernel_support(dims, jnp.dtype(k_codes.dtype), cfg, key_path, precision)
+    batch, num_heads, head_dim = dims.batch, dims.num_heads, dims.head_dim
+    hkv, group = dims.num_kv_heads, dims.group
+    if dims.seq_len == 0:
+        return (
+            jnp.zeros((batch, num_heads, head_dim), jnp.float32),
+            jnp.full((batch, num_heads), -jnp.inf, jnp.float32),
+        )
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    block_h = max(MIN_BLOCK_H, pl.next_power_of_2(group))
+
+    q_grouped = (q.astype(jnp.float32) * scale).reshape(batch, hkv, group, head_dim)
+    q_padded = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+    start = jnp.clip(start.astype(jnp.int32), 0, dims.seq_len)
+    end = jnp.clip(end.astype(jnp.int32), 0, dims.seq_len)
+
+    t_len, n_sub = dims.seq_len, dims.num_subspaces
+    if key_path == "lut":
+        key_table = _build_lut(q_grouped, k_codebooks, dims)
+        key_spec = pl.BlockSpec(
+            (None, None, group, n_sub, dims.k_centroids), lambda b, h, s: (b, h, 0, 0, 0)
+        )
+    else:
+        key_table = k_codebooks
+        key_spec = _codebook_spec(k_codebooks)
+
+    s_count = cfg.num_splits
+    kernel = functools.partial(
+        _pq_attention_kernel,
+        block_t=cfg.block_t,
+        num_splits=s_count,
+        group=group,
+        key_path=key_path,
+        precision=precision,
+        k_centroids=dims.k_centroids,
+        v_centroids=dims.v_centroids,
+    )
+    codes_spec = pl.BlockSpec((None, None, t_len, n_sub), lambda b, h, s: (b, h, 0, 0))
+    full_b = pl.BlockSpec((batch,), lambda b, h, s: (0,))
+    out_p, lse_p = pl.pallas_call(
+        kernel,
+        grid=(batch, hkv, s_count),
+        in_specs=[
+            full_b,
+            full_b,
+            pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            codes_spec,
+            codes_spec,
+            key_spec,
+            _codebook_spec(v_codebooks),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, hkv, s_count, block_h, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, hkv, s_count, block_h), jnp.float32),
+        ],
+        compiler_params=triton_compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="pq_decode_attention",
+    )(start, end, q_padded, k_codes, v_codes, key_table, v_codebooks)
+
+    out, lse = merge_stacked(out_p[:, :, :, :group], lse_p[:, :, :, :group], axis=2)
+    return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def pq_decode_attention_reference(
+    q: jax.Array,
+    k_codes: jax.Array,
+    v_codes: jax.Array,
+    k_codebooks: jax.Array,
+    v_codebooks: jax.Array,
+    start: jax.Array,
+    end: jax.Array,
+    *,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Pure-jnp fp32 reference of `pq_decode_attention` (any backend, uint8 or uint16 codes).
+
+    LUT[b, g, h, m, j] = q_m . Ck_m[j]; score = scale * sum_m take_along_axis(LUT, codes);
+    values = gather of the value centroids; softmax over start[b] <= t < end[b].
+
+    Args / returns: as `pq_decode_attention` (codes may also be uint16[B, Hkv, T, M]).
+    Memory: O(B * H * T * M) for the gathered LUT entries.
+    """
+    dims = check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end)
+    batch, num_heads, head_dim = dims.batch, dims.num_heads, dims.head_dim
+    hkv, group, t_len = dims.num_kv_heads, dims.group, dims.seq_len
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+    q_grouped = q.astype(jnp.float32).reshape(batch, hkv, group, head_dim)
+    lut = _build_lut(q_grouped, k_codebooks, dims)  # [B, Hkv, group, M, Kk]
+    kc = k_codes.astype(jnp.int32)[:, :, None, :, :]  # [B, Hkv, 1, T, M]
+    picked = jnp.take_along_axis(
+        lut[:, :, :, None, :, :], kc[..., None], axis=-1, mode="clip"
+    )  # [B, Hkv, group, T, M, 1]
+    scores = scale * jnp.sum(picked[..., 0], axis=-1)  # [B, Hkv, group, T]
+
+    t = jnp.arange(t_len)
+    valid = (t[None, :] >= start.astype(jnp.int32)[:, None]) & (t[None, :] < end.astype(jnp.int32)[:, None])
+    valid = valid[:, None, None, :]  # [B, 1, 1, T]
+    scores = jnp.where(valid, scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(valid, jnp.exp(scores - m_safe), 0.0)
+    denom = jnp.sum(p, axis=-1)  # [B, Hkv, group]
+    nonempty = denom > 0
+    denom_safe = jnp.where(nonempty, denom, 1.0)
+    lse = jnp.where(nonempty, m_safe[..., 0] + jnp.log(denom_safe), -jnp.inf)
+
+    cb = _per_kv_head(v_codebooks.astype(jnp.float32), hkv)  # [Hkv, M, Kv, dsub]
+    g_idx = jnp.arange(hkv)[None, :, None, None]
+    m_idx = jnp.arange(dims.num_subspaces)[None, None, None, :]
+    v_hat = cb[g_idx, m_idx, v_codes.astype(jnp.int32)]  # [B, Hkv, T, M, dsub]
+    v_hat = v_hat.reshape(batch, hkv, t_len, head_dim)
+    out = jnp.einsum("bght,bgtd->bghd", p, v_hat, precision=lax.Precision.HIGHEST)
+    out = out / denom_safe[..., None]
+    return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)

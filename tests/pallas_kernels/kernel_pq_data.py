@@ -1,0 +1,82 @@
+"""Random PQ decode-attention inputs and an independent NumPy oracle for the kernel tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int = 2
+    num_kv_heads: int = 2
+    group: int = 1
+    head_dim: int = 64
+    num_subspaces: int = 32
+    nbits: int = 8
+    seq_len: int = 40
+    shared_codebook: bool = True  # G = 1, else G = Hkv
+    codebook_dtype: str = "float32"
+    q_scale: float = 1.0  # larger -> peakier softmax
+
+
+def make_inputs(case: Case, seed: int, starts=None, ends=None) -> dict:
+    """Fresh random inputs; starts/ends default to a ragged batch (lengths include 1)."""
+    rng = np.random.default_rng(seed)
+    b, hkv, d, m, t = case.batch, case.num_kv_heads, case.head_dim, case.num_subspaces, case.seq_len
+    k = 2**case.nbits
+    g = 1 if case.shared_codebook else hkv
+    if ends is None:
+        ends = rng.integers(1, t + 1, size=b)
+        ends[0] = t  # longest row: the full array (not a multiple of block_t in most cases)
+        if b > 1:
+            ends[1] = 1  # a length-1 row: most of its splits are empty
+    if starts is None:
+        starts = np.zeros(b, np.int64)
+        if b > 2:
+            starts[2] = min(3, int(ends[2]) - 1)  # start > 0
+    cb_dtype = jnp.bfloat16 if case.codebook_dtype == "bfloat16" else jnp.float32
+    return dict(
+        q=jnp.asarray(case.q_scale * rng.standard_normal((b, hkv * case.group, d)), jnp.float32),
+        k_codes=jnp.asarray(rng.integers(0, k, (b, hkv, t, m)), jnp.uint8),
+        v_codes=jnp.asarray(rng.integers(0, k, (b, hkv, t, m)), jnp.uint8),
+        k_codebooks=jnp.asarray(rng.standard_normal((g, m, k, d // m)), cb_dtype),
+        v_codebooks=jnp.asarray(rng.standard_normal((g, m, k, d // m)), cb_dtype),
+        start=jnp.asarray(starts, jnp.int32),
+        end=jnp.asarray(ends, jnp.int32),
+    )
+
+
+def numpy_oracle(inputs: dict, scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Dequantise K and V, then plain softmax attention in float64 (independent of the jnp code)."""
+    q = np.asarray(inputs["q"], np.float64)
+    kc = np.asarray(inputs["k_codes"]).astype(np.int64)
+    vc = np.asarray(inputs["v_codes"]).astype(np.int64)
+    kcb = np.asarray(inputs["k_codebooks"].astype(jnp.float32), np.float64)
+    vcb = np.asarray(inputs["v_codebooks"].astype(jnp.float32), np.float64)
+    start, end = np.asarray(inputs["start"]), np.asarray(inputs["end"])
+    b, h, d = q.shape
+    _, hkv, t, m = kc.shape
+    group = h // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = np.zeros((b, h, d))
+    lse = np.full((b, h), -np.inf)
+    for bi in range(b):
+        lo, hi = max(0, int(start[bi])), min(t, int(end[bi]))
+        for hi_ in range(h):
+            g = hi_ // group
+            if hi <= lo:
+                continue
+            kg = kcb[0 if kcb.shape[0] == 1 else g]
+            vg = vcb[0 if vcb.shape[0] == 1 else g]
+            kk = np.stack([kg[mi, kc[bi, g, lo:hi, mi]] for mi in range(m)], axis=1).reshape(hi - lo, d)
+            vv = np.stack([vg[mi, vc[bi, g, lo:hi, mi]] for mi in range(m)], axis=1).reshape(hi - lo, d)
+            s = scale * kk @ q[bi, hi_]
+            mx = s.max()
+            p = np.exp(s - mx)
+            lse[bi, hi_] = mx + np.log(p.sum())
+            out[bi, hi_] = p @ vv / p.sum()
+    return out, lse
