@@ -1,0 +1,39 @@
+"""benchmarks/gpu_attention.py --tiny runs on CPU (interpret mode) and writes its rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.kernels
+
+_SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "benchmarks",
+    "gpu_attention.py",
+)
+
+
+def test_gpu_attention_tiny_smoke(tmp_path) -> None:
+    spec = importlib.util.spec_from_file_location("gpu_attention_bench", _SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    rc = mod.main(["--tiny", "--out", str(tmp_path), "--contexts", "40", "--batches", "2",
+                   "--shapes", "tiny-gqa", "--variant", "lut:key_path=lut"])
+    assert rc == 0
+    (json_path,) = [p for p in os.listdir(tmp_path) if p.endswith(".json")]
+    assert os.path.exists(tmp_path / json_path.replace(".json", ".md"))
+    rows = json.loads((tmp_path / json_path).read_text())
+    checks = [r for r in rows if r["impl"].startswith("check:")]
+    assert checks and all(r["ok"] for r in checks)
+    timed = {r["impl"]: r for r in rows if r["seconds"] is not None}
+    assert {"pq", "pq[lut]", "bf16-xla"} <= set(timed)
+    for r in timed.values():
+        assert {"context", "batch", "shape", "impl", "seconds", "gbps", "speedup", "device"} <= set(r)
+        assert r["context"] == 40 and r["batch"] == 2 and r["seconds"] > 0
+    assert timed["pq"]["speedup"] > 0
