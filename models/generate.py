@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from million_jax.cache.base import KVCache
 from models.config import LlamaConfig
@@ -71,15 +72,27 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: float = 0.0,
     temperature == 0 is greedy (argmax; key unused). Otherwise logits are
     divided by temperature, restricted to the top_k largest (0 = all) and to
     the smallest set whose probability reaches top_p (1.0 = all), and sampled.
+    The three settings must be Python numbers here; ``generate`` passes them
+    as traced values so changing them does not recompile.
     """
-    if temperature == 0.0:
+    return _sample(logits, key, temperature, top_k, top_p, greedy=temperature == 0.0,
+                   use_top_k=0 < top_k < logits.shape[-1], use_top_p=top_p < 1.0)
+
+
+def _sample(logits: jax.Array, key: jax.Array, temperature: Any, top_k: Any, top_p: Any, *,
+            greedy: bool, use_top_k: bool, use_top_p: bool) -> jax.Array:
+    """sample_logits with traced temperature/top_k/top_p; the flags are static."""
+    if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / temperature
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
+    if use_top_k or use_top_p:
         srt = jnp.sort(logits, axis=-1)[:, ::-1]                          # descending
+    if use_top_k:
+        k = jnp.clip(jnp.asarray(top_k, jnp.int32), 1, logits.shape[-1])
+        kth = jax.lax.dynamic_index_in_dim(srt, k - 1, axis=1)            # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+        srt = jnp.where(srt < kth, -jnp.inf, srt)
+    if use_top_p:
         probs = jax.nn.softmax(srt, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs                       # mass of better tokens
         keep = before < top_p                                             # always keeps the best
@@ -90,20 +103,21 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: float = 0.0,
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "max_new_tokens", "temperature", "top_k", "top_p", "eos_ids",
-                     "pad_id"),
+    static_argnames=("config", "max_new_tokens", "greedy", "use_top_k", "use_top_p"),
     donate_argnames=("cache",),
 )
 def _generate_jit(params: Params, cache: KVCache, prompt_tokens: jax.Array,
-                  prompt_lengths: jax.Array, key: jax.Array, cache_consts: Any, *,
-                  config: LlamaConfig, max_new_tokens: int, temperature: float, top_k: int,
-                  top_p: float, eos_ids: tuple[int, ...], pad_id: int) -> GenerateResult:
+                  prompt_lengths: jax.Array, key: jax.Array, cache_consts: Any,
+                  eos: jax.Array, pad_id: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                  top_p: jax.Array, *, config: LlamaConfig, max_new_tokens: int, greedy: bool,
+                  use_top_k: bool, use_top_p: bool) -> GenerateResult:
     b = prompt_tokens.shape[0]
     max_len = cache.max_len
     fits = cache.lengths + prompt_lengths <= max_len
     logits, cache = prefill(config, params, cache, prompt_tokens, prompt_lengths, cache_consts,
                             last_only=True)
-    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+    sample = functools.partial(_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                               greedy=greedy, use_top_k=use_top_k, use_top_p=use_top_p)
 
     def emit(i, tok, active, out, n_gen, reason):
         """Record token tok[b] for active rows as their i-th token; update stop reasons."""
@@ -116,7 +130,7 @@ def _generate_jit(params: Params, cache: KVCache, prompt_tokens: jax.Array,
         return out, n_gen, reason
 
     key, sub = jax.random.split(key)
-    tok = sample_logits(logits, sub, temperature, top_k, top_p)
+    tok = sample(logits, sub)
     out = jnp.full((b, max_new_tokens), pad_id, jnp.int32)
     n_gen = jnp.zeros((b,), jnp.int32)
     reason = jnp.where(fits, STOP_RUNNING, STOP_CACHE_FULL).astype(jnp.int32)
@@ -134,7 +148,7 @@ def _generate_jit(params: Params, cache: KVCache, prompt_tokens: jax.Array,
         active = running & ~full
         logits, cache = decode_step(config, params, cache, tok, cache_consts, active=active)
         key, sub = jax.random.split(key)
-        nxt = sample_logits(logits, sub, temperature, top_k, top_p)
+        nxt = sample(logits, sub)
         out, n_gen, reason = emit(i, nxt, active, out, n_gen, reason)
         tok = jnp.where(active, nxt, tok)
         return i + 1, cache, tok, out, n_gen, reason, key
@@ -176,7 +190,10 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
         eos_ids = (eos_id,)
     else:
         eos_ids = tuple(int(e) for e in eos_id)
+    # padded with -1 (never sampled) to a multiple of 4 so most EOS sets share one compile
+    padded = list(eos_ids) + [-1] * (-len(eos_ids) % 4 or (4 if not eos_ids else 0))
+    eos = np.asarray(padded, np.int32)
     return _generate_jit(params, cache, prompt_tokens, prompt_lengths, key, cache_consts,
-                         config=config, max_new_tokens=int(max_new_tokens),
-                         temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                         eos_ids=eos_ids, pad_id=int(pad_id))
+                         eos, jnp.int32(pad_id), jnp.float32(temperature), jnp.int32(top_k),
+                         jnp.float32(top_p), config=config, max_new_tokens=int(max_new_tokens),
+                         greedy=temperature == 0.0, use_top_k=top_k > 0, use_top_p=top_p < 1.0)

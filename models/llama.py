@@ -76,6 +76,7 @@ def param_shapes(config: LlamaConfig) -> Params:
     return tree
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
 def init_params(config: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32,
                 stddev: float = 0.02) -> Params:
     """Random params (normal(stddev) weights, zero biases, unit norms) as in HF init."""

@@ -1,0 +1,137 @@
+"""generate(): greedy equals an argmax loop; per-sequence EOS / max_tokens / cache_full stops."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import (STOP_CACHE_FULL, STOP_EOS, STOP_MAX_TOKENS, forward, generate, init_cache,
+                    init_params, prefill, preset, sample_logits)
+
+CONFIG = preset("tiny")
+PROMPTS = np.array([[11, 12, 13, 14, 15], [21, 22, 23, 0, 0]], np.int32)
+LENGTHS = np.array([5, 3], np.int32)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CONFIG, jax.random.key(1), jnp.float32, stddev=0.2)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(params):
+    """Per prompt, 10 greedy tokens from a Python loop of argmax over the full forward."""
+    fwd = jax.jit(lambda t: forward(CONFIG, params, t))
+    out = []
+    for b, n in enumerate(LENGTHS):
+        seq = list(PROMPTS[b, :n])
+        gen = []
+        for _ in range(10):
+            padded = np.zeros((1, 16), np.int32)                 # one shape: one compile
+            padded[0, : len(seq)] = seq
+            tok = int(np.argmax(np.asarray(fwd(padded))[0, len(seq) - 1]))
+            gen.append(tok)
+            seq.append(tok)
+        out.append(gen)
+    return out
+
+
+def _gen(params, max_len=32, **kw):
+    cache = init_cache(CONFIG, 2, max_len, jnp.float32)
+    return generate(CONFIG, params, cache, PROMPTS, LENGTHS, **kw)
+
+
+def test_greedy_equals_argmax_loop(params, greedy_ref):
+    res = _gen(params, max_new_tokens=8, eos_id=())
+    assert res.tokens.shape == (2, 8)
+    assert res.sequences() == [g[:8] for g in greedy_ref]
+    assert res.stop_reasons() == ["max_tokens", "max_tokens"]
+    # the last emitted token is not in the cache
+    np.testing.assert_array_equal(res.cache.lengths, LENGTHS + 7)
+
+
+def test_eos_stops_each_sequence_on_its_own(params, greedy_ref):
+    seq0 = greedy_ref[0]
+    # an EOS id that first appears at position k >= 2 of sequence 0's greedy output
+    k = next(i for i in range(2, 10) if seq0[i] not in seq0[:i])
+    eos = seq0[k]
+    res = _gen(params, max_new_tokens=10, eos_id=eos, pad_id=-1)
+    got = res.sequences()
+    assert got[0] == seq0[: k + 1] and res.stop_reasons()[0] == "eos"
+    seq1 = greedy_ref[1]
+    stop1 = seq1.index(eos) + 1 if eos in seq1 else 10
+    assert got[1] == seq1[:stop1]
+    assert int(res.stop_reason[1]) == (STOP_EOS if eos in seq1 else STOP_MAX_TOKENS)
+    assert np.all(np.asarray(res.tokens)[0, k + 1:] == -1)       # padding after the stop
+    # several EOS ids: the earliest one wins
+    res2 = _gen(params, max_new_tokens=10, eos_id=(seq0[1], eos))
+    assert res2.sequences()[0] == seq0[:2]
+
+
+def test_cache_full_stops_without_writing_out_of_bounds(params, greedy_ref):
+    max_len = 8
+    res = _gen(params, max_len=max_len, max_new_tokens=5, eos_id=())
+    # seq 0: prompt 5 leaves room to append 3 tokens, so it emits 4 and reports cache_full
+    assert res.sequences()[0] == greedy_ref[0][:4]
+    assert int(res.stop_reason[0]) == STOP_CACHE_FULL
+    # seq 1 (prompt 3) reaches max_new_tokens first
+    assert res.sequences()[1] == greedy_ref[1][:5]
+    assert int(res.stop_reason[1]) == STOP_MAX_TOKENS
+    np.testing.assert_array_equal(res.cache.lengths, [8, 7])
+    # the cache holds exactly prompt + first 3 generated tokens (nothing clobbered)
+    full = np.array([list(PROMPTS[0]) + greedy_ref[0][:3]], np.int32)
+    _, ref = prefill(CONFIG, params, init_cache(CONFIG, 1, max_len, jnp.float32), full,
+                     np.array([8]))
+    np.testing.assert_allclose(res.cache.k[:, 0], ref.k[:, 0], atol=1e-5)
+
+
+def test_prompt_that_does_not_fit_reports_cache_full(params):
+    cache = init_cache(CONFIG, 2, 4, jnp.float32)
+    res = generate(CONFIG, params, cache, PROMPTS, LENGTHS, max_new_tokens=3, eos_id=())
+    assert int(res.num_generated[0]) == 0 and int(res.stop_reason[0]) == STOP_CACHE_FULL
+    assert res.sequences()[1] and int(res.cache.lengths[0]) == 4
+
+
+def test_generate_continues_a_filled_cache(params, greedy_ref):
+    """A second turn: generate after a previous prefill appends to the cache."""
+    cache = init_cache(CONFIG, 2, 32, jnp.float32)
+    first = np.array([[11, 12], [21, 0]], np.int32)
+    _, cache = prefill(CONFIG, params, cache, first, np.array([2, 1]))
+    rest = np.array([[13, 14, 15], [22, 23, 0]], np.int32)
+    res = generate(CONFIG, params, cache, rest, np.array([3, 2]), max_new_tokens=8, eos_id=())
+    assert res.sequences() == [g[:8] for g in greedy_ref]
+
+
+def test_sampling_settings(params, greedy_ref):
+    key = jax.random.key(7)
+    topk1 = _gen(params, max_new_tokens=8, eos_id=(), temperature=1.0, top_k=1, key=key)
+    assert topk1.sequences() == [g[:8] for g in greedy_ref]
+    tiny_p = _gen(params, max_new_tokens=8, eos_id=(), temperature=1.0, top_p=1e-6, key=key)
+    assert tiny_p.sequences() == [g[:8] for g in greedy_ref]
+    a = _gen(params, max_new_tokens=8, eos_id=(), temperature=2.0, key=key)
+    b = _gen(params, max_new_tokens=8, eos_id=(), temperature=2.0, key=key)
+    c = _gen(params, max_new_tokens=8, eos_id=(), temperature=2.0, key=jax.random.key(8))
+    assert a.sequences() == b.sequences() != c.sequences()
+    with pytest.raises(ValueError, match="PRNG key"):
+        _gen(params, max_new_tokens=8, temperature=1.0)
+
+
+def test_sample_logits_respects_top_k_and_top_p():
+    logits = jnp.log(jnp.array([[0.05, 0.4, 0.3, 0.2, 0.05]]))
+    draw = jax.jit(jax.vmap(lambda k, tk, tp: sample_logits(logits, k, 1.0, tk, tp)[0],
+                            in_axes=(0, None, None)), static_argnums=(1, 2))
+    keys = jax.random.split(jax.random.key(0), 2000)
+    assert set(np.asarray(draw(keys, 2, 1.0)).tolist()) == {1, 2}
+    assert set(np.asarray(draw(keys, 0, 0.65)).tolist()) == {1, 2}          # 0.4 + 0.3 >= 0.65
+    freq = np.bincount(np.asarray(draw(keys, 0, 1.0)), minlength=5) / 2000
+    np.testing.assert_allclose(freq, [0.05, 0.4, 0.3, 0.2, 0.05], atol=0.04)
+    assert int(sample_logits(logits, keys[0])[0]) == 1                        # greedy
+
+
+def test_cache_is_donated(params):
+    cache = init_cache(CONFIG, 2, 32, jnp.float32)
+    res = generate(CONFIG, params, cache, PROMPTS, LENGTHS, max_new_tokens=8, eos_id=())
+    assert res.cache.k.shape == cache.k.shape
+    if jax.default_backend() in ("cpu", "gpu"):
+        assert cache.k.is_deleted()
