@@ -1,7 +1,7 @@
 """Shared pytest setup: hypothesis profile sized for 2-core CI machines."""
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile(
     "ci",
@@ -9,5 +9,7 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     derandomize=False,
+    # no shrinking: a failure is reported as found (shrinking JAX tests can take minutes)
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 settings.load_profile("ci")

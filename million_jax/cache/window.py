@@ -1,0 +1,101 @@
+"""The exact (full-precision) part shared by quantized caches: sinks + a ring of recent tokens.
+
+A quantized cache stores every token as codes and, next to them, keeps in the
+model dtype the first ``S`` tokens ("sinks") and the last ``W`` tokens (a ring
+buffer, slot = position % W). Attention then reads, for a query at position p:
+
+    exact:  sinks (s < S), and the sliding window  p - W < s <= p  (s >= S)
+    codes:  S <= s <= p - W
+
+The window of a query of a multi-token call (prefill) reaches back into tokens
+stored before the call; those are exactly the ring's content before the append,
+so chunked prefill sees the same exact/quantized split as one-shot prefill.
+
+Shapes (one layer):
+    sink_k, sink_v: float[B, Hkv, S, d]
+    ring_k, ring_v: float[B, Hkv, W, d]
+    k, v (new):     float[B, T, Hkv, d]
+    lengths:        int32[B]  tokens stored before this call
+    n_new:          int32[B]  real new tokens (rows t >= n_new[b] are padding)
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from million_jax.attention import attention
+
+__all__ = ["write_window", "exact_window_attention", "write_rows"]
+
+
+def write_rows(buf: jax.Array, rows: jax.Array, vals: jax.Array) -> jax.Array:
+    """Scatter vals float[B, T, Hkv, ...] into buf [B, Hkv, N, ...] at rows int[B, T].
+
+    Rows outside [0, N) are dropped (use N as the "don't write" index).
+    """
+    b, t = rows.shape
+    bidx = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    return buf.at[bidx, :, rows].set(vals.astype(buf.dtype), mode="drop")
+
+
+def write_window(sink_k, sink_v, ring_k, ring_v, k, v, lengths, n_new):
+    """Store the new tokens that belong to the sinks or to the last W positions.
+
+    Returns (sink_k, sink_v, ring_k, ring_v) updated. Only the last W real new
+    tokens go to the ring, so no two writes hit the same slot.
+    """
+    s_cap, w_cap = sink_k.shape[2], ring_k.shape[2]
+    t = k.shape[1]
+    steps = jnp.arange(t, dtype=jnp.int32)[None, :]
+    pos = lengths[:, None] + steps  # [B, T]
+    real = steps < n_new[:, None]
+    sink_rows = jnp.where(real & (pos < s_cap), pos, s_cap)
+    sink_k = write_rows(sink_k, sink_rows, k)
+    sink_v = write_rows(sink_v, sink_rows, v)
+    if w_cap:
+        end = lengths + n_new
+        keep = real & (pos >= (end - w_cap)[:, None])
+        ring_rows = jnp.where(keep, pos % w_cap, w_cap)
+        ring_k = write_rows(ring_k, ring_rows, k)
+        ring_v = write_rows(ring_v, ring_rows, v)
+    return sink_k, sink_v, ring_k, ring_v
+
+
+def _ring_positions(lengths: jax.Array, w: int) -> jax.Array:
+    """int32[B, W]: the position held in each ring slot before the append (-1: empty)."""
+    j = jnp.arange(w, dtype=jnp.int32)[None, :]
+    last = lengths[:, None] - 1
+    pos = last - jnp.mod(last - j, w)
+    return jnp.where(pos >= 0, pos, -1)
+
+
+def exact_window_attention(q, sink_k, sink_v, ring_k, ring_v, k, v, lengths, n_new, *, scale=None):
+    """Attention of q float[B, T, H, d] over the exact keys (sinks, window).
+
+    Returns (out float32[B, T, H, d], lse float32[B, T, H]); lse = -inf where a
+    query sees no exact key.
+    """
+    b, t = q.shape[:2]
+    s_cap, w_cap = sink_k.shape[2], ring_k.shape[2]
+    steps = jnp.arange(t, dtype=jnp.int32)
+    q_pos = lengths[:, None] + steps[None, :]  # [B, T]
+    new_pos = jnp.where(steps[None, :] < n_new[:, None], q_pos, -1)  # padding never visible
+    sink_pos = jnp.broadcast_to(jnp.arange(s_cap, dtype=jnp.int32)[None, :], (b, s_cap))
+    sink_pos = jnp.where(sink_pos < lengths[:, None] + n_new[:, None], sink_pos, -1)
+    ring_pos = _ring_positions(lengths, w_cap) if w_cap else jnp.zeros((b, 0), jnp.int32)
+    kv_pos = jnp.concatenate([sink_pos, ring_pos, new_pos], axis=1)  # [B, S + W + T]
+    is_sink = jnp.concatenate(
+        [jnp.ones((b, s_cap), bool), jnp.zeros((b, w_cap + t), bool)], axis=1
+    )
+    dt = q.dtype
+    keys = jnp.concatenate([sink_k.astype(dt), ring_k.astype(dt), jnp.swapaxes(k, 1, 2).astype(dt)], axis=2)
+    vals = jnp.concatenate([sink_v.astype(dt), ring_v.astype(dt), jnp.swapaxes(v, 1, 2).astype(dt)], axis=2)
+    p = q_pos[:, :, None]
+    s = kv_pos[:, None, :]
+    valid = s >= 0
+    causal = s <= p
+    # sinks are exact for every query; other keys only inside the window and not sinks
+    in_window = (s > p - w_cap) & (s >= s_cap)
+    mask = valid & causal & jnp.where(is_sink[:, None, :], True, in_window)
+    out, lse = attention(q.astype(jnp.float32), keys.astype(jnp.float32), vals.astype(jnp.float32), mask, scale=scale, return_lse=True)
+    return out, lse
