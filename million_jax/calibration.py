@@ -1,0 +1,107 @@
+"""Calibration: post-RoPE K/V samples -> PQ codebooks at a chosen granularity.
+
+The model side (running calibration text through a model with a DenseCache)
+lives in the CLI layer; this module only needs the filled caches:
+
+    k, v = collect_kv(dense_cache)                 # float32[L, Hkv, N, d] valid tokens only
+    books = fit_kv_codebooks(k, v, M=32, nbits=8, granularity="layer_head", key=key)
+
+Sampling: for each k-means problem (one per codebook group and subspace) at
+most ``max_vectors`` vectors are drawn uniformly without replacement from the
+group's pool: all layers and heads for ``shared``, all heads of a layer for
+``layer``, one (layer, head) for ``layer_head``. Every pooled token is equally
+likely, so positions, heads and layers are sampled uniformly.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from million_jax.cache.dense import DenseCache
+from million_jax.cache.pq_cache import GRANULARITIES, PQCodebooks
+from million_jax.pq import check_nbits, check_subspaces, fit_codebooks
+
+__all__ = ["collect_kv", "fit_kv_codebooks", "DEFAULT_MAX_VECTORS"]
+
+DEFAULT_MAX_VECTORS = 65536
+
+
+def collect_kv(cache: DenseCache) -> tuple[np.ndarray, np.ndarray]:
+    """Valid tokens of a filled DenseCache as float32[L, Hkv, N, d] (N = sum of lengths)."""
+    k = np.asarray(cache.k, np.float32)
+    v = np.asarray(cache.v, np.float32)
+    lengths = np.asarray(cache.lengths)
+    ks = [k[:, b, :, : lengths[b]] for b in range(k.shape[1]) if lengths[b] > 0]
+    vs = [v[:, b, :, : lengths[b]] for b in range(v.shape[1]) if lengths[b] > 0]
+    if not ks:
+        raise ValueError("collect_kv: the cache holds no tokens (empty calibration data)")
+    return np.concatenate(ks, axis=2), np.concatenate(vs, axis=2)
+
+
+def _pool(x: np.ndarray, granularity: str) -> np.ndarray:
+    """float[L, Hkv, N, d] -> float[*groups, P, d] pooled per codebook group."""
+    L, hkv, n, d = x.shape
+    if granularity == "shared":
+        return x.reshape(L * hkv * n, d)
+    if granularity == "layer":
+        return x.reshape(L, hkv * n, d)
+    return x
+
+
+def _subsample(x: np.ndarray, max_vectors: int, rng: np.random.Generator) -> np.ndarray:
+    p = x.shape[-2]
+    if p <= max_vectors:
+        return x
+    # one uniform draw per group (groups are independent problems)
+    groups = x.shape[:-2]
+    flat = x.reshape((-1, p, x.shape[-1]))
+    picked = np.stack([f[np.sort(rng.choice(p, size=max_vectors, replace=False))] for f in flat])
+    return picked.reshape(groups + (max_vectors, x.shape[-1]))
+
+
+def fit_kv_codebooks(
+    keys: np.ndarray,
+    values: np.ndarray,
+    *,
+    M: int,
+    nbits: int,
+    granularity: str = "layer_head",
+    key: jax.Array,
+    max_vectors: int = DEFAULT_MAX_VECTORS,
+    iters: int = 25,
+    chunk_size: int = 8192,
+) -> PQCodebooks:
+    """Fit key and value codebooks from calibration samples.
+
+    keys, values: float[L, Hkv, N, d] (post-RoPE keys). Returns PQCodebooks
+    whose centroids are [M, K, dsub] (shared), [L, M, K, dsub] (layer) or
+    [L, Hkv, M, K, dsub] (layer_head).
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    keys = np.asarray(keys, np.float32)
+    values = np.asarray(values, np.float32)
+    if keys.ndim != 4 or keys.shape != values.shape:
+        raise ValueError(f"keys/values must both be [L, Hkv, N, d], got {keys.shape} and {values.shape}")
+    check_nbits(nbits)
+    check_subspaces(keys.shape[-1], M)
+    if keys.shape[2] == 0:
+        raise ValueError("fit_kv_codebooks: no calibration vectors (N = 0)")
+    for name, arr in (("keys", keys), ("values", values)):
+        if not np.isfinite(arr).all():
+            raise ValueError(f"fit_kv_codebooks: calibration {name} contain NaN/Inf")
+    need = 2**nbits
+    if max_vectors < need:
+        raise ValueError(f"max_vectors={max_vectors} is below the K=2**{nbits}={need} centroids")
+    kk, kv = jax.random.split(key)
+    rng = np.random.default_rng(int(jax.random.randint(kk, (), 0, 2**31 - 1)))
+    out = []
+    for sub, x in ((kk, keys), (kv, values)):
+        pooled = _subsample(_pool(x, granularity), max_vectors, rng)
+        if pooled.shape[-2] < need:
+            raise ValueError(
+                f"calibration gives {pooled.shape[-2]} vectors per {granularity} codebook, fewer than "
+                f"K=2**{nbits}={need}; use more calibration tokens or fewer bits"
+            )
+        out.append(fit_codebooks(pooled, M, nbits, key=sub, iters=iters, chunk_size=chunk_size))
+    return PQCodebooks(out[0], out[1], granularity)

@@ -1,0 +1,61 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from million_jax.cache.dense import DenseCache
+from million_jax.calibration import collect_kv, fit_kv_codebooks
+
+
+def test_collect_kv_takes_valid_tokens_only():
+    rng = np.random.default_rng(0)
+    c = DenseCache.create(2, 3, 2, 6, 4, dtype=jnp.float32)
+    k = rng.standard_normal(c.k.shape).astype(np.float32)
+    c = DenseCache(k=jnp.asarray(k), v=jnp.asarray(-k), lengths=jnp.array([2, 0, 5], jnp.int32))
+    ks, vs = collect_kv(c)
+    assert ks.shape == (2, 2, 7, 4)
+    np.testing.assert_array_equal(ks[:, :, :2], k[:, 0, :, :2])
+    np.testing.assert_array_equal(ks[:, :, 2:], k[:, 2, :, :5])
+    np.testing.assert_array_equal(vs, -ks)
+    with pytest.raises(ValueError, match="empty calibration"):
+        collect_kv(DenseCache.create(1, 1, 1, 4, 4))
+
+
+@pytest.mark.parametrize(
+    "granularity, shape",
+    [("shared", (4, 16, 2)), ("layer", (3, 4, 16, 2)), ("layer_head", (3, 2, 4, 16, 2))],
+)
+def test_granularity_shapes(granularity, shape):
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((3, 2, 100, 8)).astype(np.float32)
+    books = fit_kv_codebooks(k, k * 2, M=4, nbits=4, granularity=granularity, key=jax.random.PRNGKey(0), iters=3)
+    assert books.key.centroids.shape == shape and books.value.centroids.shape == shape
+    assert books.granularity == granularity
+    books.check(3, 2, 8)
+
+
+def test_per_head_codebooks_fit_per_head_distributions():
+    # head 1 is head 0 shifted by +50: per-head codebooks follow each head.
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal((1, 1, 400, 4)).astype(np.float32)
+    k = np.concatenate([base, base + 50.0], axis=1)
+    books = fit_kv_codebooks(k, k, M=2, nbits=3, granularity="layer_head", key=jax.random.PRNGKey(0), iters=5)
+    c = np.asarray(books.key.centroids)
+    assert abs(c[0, 0].mean()) < 5 and abs(c[0, 1].mean() - 50) < 5
+
+
+def test_subsampling_bounds_vectors_and_errors():
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((1, 1, 5000, 4)).astype(np.float32)
+    books = fit_kv_codebooks(k, k, M=2, nbits=2, key=jax.random.PRNGKey(0), max_vectors=300, iters=2)
+    assert books.key.centroids.shape == (1, 1, 2, 4, 2)
+    with pytest.raises(ValueError, match="fewer than"):
+        fit_kv_codebooks(k[:, :, :10], k[:, :, :10], M=2, nbits=4, key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="NaN"):
+        bad = k.copy()
+        bad[0, 0, 3, 1] = np.nan
+        fit_kv_codebooks(bad, k, M=2, nbits=2, key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="N = 0"):
+        fit_kv_codebooks(k[:, :, :0], k[:, :, :0], M=2, nbits=2, key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="granularity"):
+        fit_kv_codebooks(k, k, M=2, nbits=2, granularity="head", key=jax.random.PRNGKey(0))
