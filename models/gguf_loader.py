@@ -120,9 +120,9 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str)
             n_heads=n_heads,
             n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or n_heads),
             head_dim=head_dim,
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             rope_scaling=scaling,
-            rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rms_norm_eps=_f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
             mlp_bias="blk.0.ffn_gate.bias" in tensors,
@@ -132,6 +132,11 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str)
         )
     except ConfigError as e:
         raise CheckpointError(f"{source}: {e}") from e
+
+
+def _f32(x: Any) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(x)))
 
 
 def _dequant(t, source: str) -> np.ndarray:
@@ -166,10 +171,11 @@ def load_gguf(path: str, dtype: Any = jnp.float32,
         if name not in tensors:
             raise CheckpointError(f"{path}: missing tensor {name!r}")
         w = _dequant(tensors[name], path)
-        if key in ("wq", "bq"):
-            w = _unpermute(w, config.n_heads)
-        elif key in ("wk", "bk"):
-            w = _unpermute(w, config.n_kv_heads)
+        heads = {"wq": config.n_heads, "bq": config.n_heads,
+                 "wk": config.n_kv_heads, "bk": config.n_kv_heads}.get(key)
+        # (a wrong row count is left for build_params to report with the tensor name)
+        if heads is not None and w.shape[0] == heads * config.head_dim:
+            w = _unpermute(w, heads)
         return name, w
 
     params = build_params(config, fetch, dtype, path)

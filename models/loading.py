@@ -68,10 +68,12 @@ class LoadedModel:
             raise ValueError(f"{self.source}: this model was loaded without a tokenizer")
         return list(self.tokenizer.encode(text).ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of token ids (special tokens kept unless skip_special_tokens)."""
         if self.tokenizer is None:
             raise ValueError(f"{self.source}: this model was loaded without a tokenizer")
-        return self.tokenizer.decode([int(i) for i in ids])
+        return self.tokenizer.decode([int(i) for i in ids],
+                                     skip_special_tokens=skip_special_tokens)
 
     def new_cache(self, batch: int, max_len: int, dtype: Any = None):
         """An empty DenseCache for this model (dtype defaults to the params dtype)."""

@@ -79,6 +79,10 @@ def tokenizer_from_gguf_fields(meta: Mapping[str, Any], source: str = "gguf") ->
     meta: field name -> python value (str / list / int / bool).
     """
     kind = meta.get("tokenizer.ggml.model")
+    if kind is None:
+        raise CheckpointError(
+            f"{source}: no tokenizer metadata (field 'tokenizer.ggml.model' is missing); "
+            "pass tokenizer=False to load the weights alone")
     if kind != "gpt2":
         raise CheckpointError(
             f"{source}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, "

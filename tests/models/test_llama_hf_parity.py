@@ -7,7 +7,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HF_CONFIGS, hf_logits, rel_err
+from hf_helpers import HF_CONFIGS, hf_logits, rel_err
 
 from models import forward, load_model
 
