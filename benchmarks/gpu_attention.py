@@ -123,7 +123,7 @@ def _next_q(q: jax.Array, out: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- impls
 
 
-def make_pq_cache(key, b, shape: HeadShape, t, copies):
+def make_pq_cache(key, b, shape: HeadShape, t, copies, cb_dtype):
     k = 2**shape.nbits
     m, d, hkv = shape.num_subspaces, shape.head_dim, shape.num_kv_heads
     ks = jax.random.split(key, 2 * copies + 2)
@@ -132,8 +132,8 @@ def make_pq_cache(key, b, shape: HeadShape, t, copies):
         return bits if k == 256 else bits % jnp.uint8(k)
 
     codes = [(rand_codes(ks[2 * c]), rand_codes(ks[2 * c + 1])) for c in range(copies)]
-    kcb = jax.random.normal(ks[-2], (1, m, k, d // m), jnp.float32)
-    vcb = jax.random.normal(ks[-1], (1, m, k, d // m), jnp.float32)
+    kcb = jax.random.normal(ks[-2], (1, m, k, d // m), jnp.float32).astype(cb_dtype)
+    vcb = jax.random.normal(ks[-1], (1, m, k, d // m), jnp.float32).astype(cb_dtype)
     return codes, kcb, vcb
 
 
@@ -179,7 +179,7 @@ def bench_shape(args, shape: HeadShape, b: int, t: int, variants, copy_bw, devic
               f"{gbps:8.1f} GB/s {r['pct_copy_bw']:5.1f}% copy", flush=True)
 
     copies = 1 if args.tiny else max(1, min(MAX_COPIES, -(-MIN_HBM_BYTES // pq_bytes)))
-    codes, kcb, vcb = make_pq_cache(key, b, shape, t, copies)
+    codes, kcb, vcb = make_pq_cache(key, b, shape, t, copies, jnp.dtype(args.codebook_dtype))
     for name, knobs in variants:
         fn = functools.partial(_pq_step, kcb=kcb, vcb=vcb, start=zeros, end=lengths,
                                knobs=knobs, interpret=args.tiny)
@@ -282,7 +282,7 @@ def write_results(rows: list[dict], meta: dict, out_dir: str, stamp: str) -> str
         json.dump(rows, f, indent=1, default=str)
     lines = [f"# PQ decode attention vs bf16 dense ({meta['device']})", "",
              f"jax {meta['jax']}, copy bandwidth {meta['copy_gbps']:.0f} GB/s (read + write), "
-             f"M={meta['M']}, nbits={meta['nbits']}, {meta['date']}", ""]
+             f"M={meta['M']}, nbits={meta['nbits']}, codebooks {meta['codebook_dtype']}, {meta['date']}", ""]
     checks = [r for r in rows if r["impl"].startswith("check:")]
     if checks:
         lines += ["| check | max abs err (out) | max abs err (lse) | status |", "|---|---|---|---|"]
@@ -326,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, typ in KNOB_TYPES.items():
         p.add_argument("--" + k.replace("_", "-"), type=typ, default=None, help=f"default-row {k}")
     p.add_argument("--variant", action="append", default=[], help="extra PQ row, NAME:knob=v,...")
+    p.add_argument("--codebook-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="codebooks as the cache would pass them (bf16: half the gather bytes)")
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--try-cudnn", action="store_true", help="also try cuDNN in --tiny mode")
     args = p.parse_args(argv)
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = copy_bandwidth(args.tiny)
     print(f"device {device}, jax {jax.__version__}, copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     meta = dict(device=device, jax=jax.__version__, copy_gbps=copy_bw / 1e9, M=shapes[0].num_subspaces,
-                nbits=shapes[0].nbits, date=stamp)
+                nbits=shapes[0].nbits, codebook_dtype=args.codebook_dtype, date=stamp)
     rows: list[dict[str, Any]] = []
     if not args.skip_checks:
         rows += correctness_checks(args, device)

@@ -188,9 +188,22 @@ def _pq_attention_kernel(
 # --------------------------------------------------------------------------- wrapper
 
 
+# jax's Pallas Triton lowering switches to 64-bit pointer offsets only above 2**32 *bytes*
+# but adds 32-bit offsets with sign extension, so an array of 2**31 < elements <= 2**32
+# would be addressed with negative offsets (verified in the PTX). Such code arrays are
+# refused (the caller takes the XLA path); smaller and larger ones are fine.
+_UNSAFE_NUMEL = (2**31, 2**32)
+
+
 def _check_kernel_support(
     dims: PQDims, code_dtype: jnp.dtype, cfg: LaunchConfig, key_path: str, precision: str
 ) -> None:
+    numel = dims.batch * dims.num_kv_heads * dims.seq_len * dims.num_subspaces
+    if _UNSAFE_NUMEL[0] < numel <= _UNSAFE_NUMEL[1]:
+        raise ValueError(
+            f"codes arrays of {numel} elements (2**31 < n <= 2**32) hit a 32-bit offset overflow"
+            " in the Pallas Triton lowering; use the XLA path (or a batch / T_max outside that range)"
+        )
     if key_path not in ("centroid", "lut"):
         raise ValueError(f"key_path must be 'centroid' or 'lut', got {key_path!r}")
     if precision not in ("bf16", "fp32"):

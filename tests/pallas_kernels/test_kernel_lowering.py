@@ -39,7 +39,7 @@ SHAPES = {
     # LLaMA-3.1-8B heads (GQA 4), batch 8, per-KV-head bf16 codebooks.
     "llama3-gqa4-b8-perhead-bf16cb": (specs(8, 32, 8, 128, 64, 16384, g=8, cb_dtype=jnp.bfloat16), {}),
     # > 4 GiB of codes: 64-bit pointer offsets.
-    "llama2-b8-256k-int64-offsets": (specs(8, 32, 32, 128, 64, 262144), {}),
+    "llama2-b8-300k-int64-offsets": (specs(8, 32, 32, 128, 64, 300000), {}),
     # SmolLM2 heads (GQA 3, d 64), odd T; nbits 4 with dsub 4, fp32 dots.
     "smollm2-gqa3-odd-T": (specs(2, 9, 3, 64, 32, 8191), {}),
     "nbits4-dsub4-fp32": (specs(2, 8, 2, 128, 32, 1000, nbits=4), dict(precision="fp32")),
@@ -59,3 +59,10 @@ def test_exports_for_cuda(name: str) -> None:
     assert text.count(TRITON_CUSTOM_CALL) == 1, "expected exactly one Triton kernel"
     b, h, d = args[0].shape
     assert [tuple(a.shape) for a in exported.out_avals] == [(b, h, d), (b, h)]
+
+
+def test_refuses_codes_in_the_32bit_offset_overflow_window() -> None:
+    """2**31 < numel <= 2**32: Pallas would use sign-extended 32-bit offsets (out of bounds)."""
+    with pytest.raises(ValueError, match="32-bit offset"):
+        jax.eval_shape(pq_decode_attention, *specs(12, 32, 32, 128, 64, 131072))
+    jax.eval_shape(pq_decode_attention, *specs(8, 32, 32, 128, 64, 131072))  # exactly 2**31: ok

@@ -127,7 +127,7 @@ def test_default_launch_config_runs() -> None:
     assert_matches_reference(inputs, precision="bf16")
 
 
-@settings(max_examples=6, deadline=None, database=None)
+@settings(max_examples=5, deadline=None, database=None)
 @given(
     batch=st.integers(1, 4),
     num_kv_heads=st.integers(1, 2),

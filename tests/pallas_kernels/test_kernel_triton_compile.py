@@ -1,0 +1,36 @@
+"""Optional: compile the kernel's Triton IR to sm_90a with the `triton` pip package (no GPU).
+
+Runs when MILLION_JAX_TRITON_PYTHON names a Python that has `triton` (it need not be this
+one), or when `triton` is importable here; otherwise it is skipped with that reason. The
+mandatory lowering check is test_kernel_lowering.py (jax.export).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from pallas_kernels import pq_decode_attention
+from pallas_kernels.triton_compile_check import SHAPES, capture_ttir, compile_ttir
+
+pytestmark = pytest.mark.kernels
+
+TRITON_PYTHON = os.environ.get("MILLION_JAX_TRITON_PYTHON") or (
+    sys.executable if importlib.util.find_spec("triton") else None
+)
+
+
+@pytest.mark.skipif(TRITON_PYTHON is None, reason="no `triton` package (set MILLION_JAX_TRITON_PYTHON)")
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("key_path", ["centroid", "lut"])
+def test_default_config_compiles_without_spills(shape: str, key_path: str) -> None:
+    (ttir,) = capture_ttir(functools.partial(pq_decode_attention, key_path=key_path), *SHAPES[shape])
+    res = compile_ttir(ttir, 4, 2, TRITON_PYTHON)
+    assert res["ptxas_ok"]
+    assert res["spill_stores"] == 0 and res["stack"] == 0, res
+    assert res["shared"] <= 227 * 1024, res
+    assert any(op.startswith("mma") or op.startswith("wgmma") for op in res["ptx_ops"]), res
