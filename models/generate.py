@@ -175,6 +175,11 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
     prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
     chex.assert_rank(prompt_tokens, 2)
     chex.assert_shape(prompt_lengths, (prompt_tokens.shape[0],))
+    if not isinstance(prompt_lengths, jax.core.Tracer):
+        lens = np.asarray(prompt_lengths)
+        if np.any(lens < 1) or np.any(lens > prompt_tokens.shape[1]):
+            raise ValueError(f"prompt_lengths must be in [1, {prompt_tokens.shape[1]}], "
+                             f"got {lens.tolist()}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0 or not 0.0 < top_p <= 1.0 or top_k < 0:

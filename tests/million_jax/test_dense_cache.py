@@ -138,7 +138,8 @@ def test_writes_past_max_len_are_dropped_not_wrapped():
     cache = DenseCache.create(1, b, hkv, tmax, d, jnp.float32)
     first = np.ones((b, 5, hkv, d), np.float32)
     _, cache = jax.jit(_attend_layer0)(cache, _rand(16, b, 5, 2, d), first, first, jnp.array([5]))
-    second = 7 * np.ones((b, 3, hkv, d), np.float32)
+    second = np.broadcast_to(np.array([7.0, 8.0, 9.0], np.float32)[None, :, None, None],
+                             (b, 3, hkv, d)).copy()         # distinct per token: 8, 9 must drop
     out, cache = jax.jit(_attend_layer0)(cache, _rand(17, b, 3, 2, d), second, second,
                                          jnp.array([3]))
     assert int(cache.lengths[0]) == tmax                           # clipped

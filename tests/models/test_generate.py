@@ -64,6 +64,8 @@ def test_eos_stops_each_sequence_on_its_own(params, greedy_ref):
     assert got[1] == seq1[:stop1]
     assert int(res.stop_reason[1]) == (STOP_EOS if eos in seq1 else STOP_MAX_TOKENS)
     assert np.all(np.asarray(res.tokens)[0, k + 1:] == -1)       # padding after the stop
+    # a stopped sequence is frozen: its cache holds prompt + generated - 1 tokens
+    np.testing.assert_array_equal(res.cache.lengths, LENGTHS + np.asarray(res.num_generated) - 1)
     # several EOS ids: the earliest one wins
     res2 = _gen(params, max_new_tokens=10, eos_id=(seq0[1], eos))
     assert res2.sequences()[0] == seq0[:2]
@@ -115,6 +117,9 @@ def test_sampling_settings(params, greedy_ref):
     assert a.sequences() == b.sequences() != c.sequences()
     with pytest.raises(ValueError, match="PRNG key"):
         _gen(params, max_new_tokens=8, temperature=1.0)
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        generate(CONFIG, params, init_cache(CONFIG, 2, 8), PROMPTS, np.array([0, 3]),
+                 max_new_tokens=2)
 
 
 def test_sample_logits_respects_top_k_and_top_p():
