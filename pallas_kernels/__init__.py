@@ -8,6 +8,7 @@ from pallas_kernels.merge import merge_partials, merge_stacked
 from pallas_kernels.pq_decode_attention import (
     pq_decode_attention,
     pq_decode_attention_reference,
+    pq_kernel_unsupported_reason,
 )
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "merge_stacked",
     "pq_decode_attention",
     "pq_decode_attention_reference",
+    "pq_kernel_unsupported_reason",
 ]

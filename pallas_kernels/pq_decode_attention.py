@@ -59,6 +59,7 @@ from pallas_kernels.merge import merge_stacked
 
 __all__ = [
     "pq_decode_attention",
+    "pq_kernel_unsupported_reason",
     "pq_decode_attention_reference",
     "KeyPath",
     "Precision",
@@ -224,6 +225,40 @@ def _check_kernel_support(
         raise ValueError(f"num_warps must be a power of two >= 1, got {cfg.num_warps}")
     if cfg.num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {cfg.num_stages}")
+
+
+def pq_kernel_unsupported_reason(
+    q: jax.Array,
+    k_codes: jax.Array,
+    v_codes: jax.Array,
+    k_codebooks: jax.Array,
+    v_codebooks: jax.Array,
+    start: jax.Array,
+    end: jax.Array,
+    *,
+    block_t: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    key_path: KeyPath = "centroid",
+    precision: Precision = "bf16",
+) -> str | None:
+    """None when `pq_decode_attention` takes these inputs (arrays or ShapeDtypeStructs), else why not.
+
+    For impl="auto" dispatch: a non-None answer means "use the XLA reference path". Only
+    shapes / dtypes are inspected (works at trace time).
+    """
+    try:
+        dims = check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end)
+        cfg = default_launch_config(
+            dims.batch, dims.num_kv_heads, dims.seq_len,
+            key_path=key_path if key_path in ("centroid", "lut") else "centroid",
+            block_t=block_t, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        )
+        _check_kernel_support(dims, jnp.dtype(k_codes.dtype), cfg, key_path, precision)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _codebook_spec(cb: jax.Array) -> pl.BlockSpec:

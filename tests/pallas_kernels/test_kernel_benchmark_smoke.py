@@ -24,7 +24,7 @@ def test_gpu_attention_tiny_smoke(tmp_path) -> None:
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     rc = mod.main(["--tiny", "--out", str(tmp_path), "--contexts", "40", "--batches", "2",
-                   "--shapes", "tiny-gqa", "--variant", "lut:key_path=lut"])
+                   "--shapes", "tiny-gqa", "--variant", "bt32:block_t=32"])
     assert rc == 0
     (json_path,) = [p for p in os.listdir(tmp_path) if p.endswith(".json")]
     assert os.path.exists(tmp_path / json_path.replace(".json", ".md"))
@@ -32,7 +32,7 @@ def test_gpu_attention_tiny_smoke(tmp_path) -> None:
     checks = [r for r in rows if r["impl"].startswith("check:")]
     assert checks and all(r["ok"] for r in checks)
     timed = {r["impl"]: r for r in rows if r["seconds"] is not None}
-    assert {"pq", "pq[lut]", "bf16-xla"} <= set(timed)
+    assert {"pq", "pq[bt32]", "bf16-xla"} <= set(timed)
     for r in timed.values():
         assert {"context", "batch", "shape", "impl", "seconds", "gbps", "speedup", "device"} <= set(r)
         assert r["context"] == 40 and r["batch"] == 2 and r["seconds"] > 0

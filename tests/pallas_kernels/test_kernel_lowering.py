@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import pq_decode_attention
+from pallas_kernels import pq_decode_attention, pq_kernel_unsupported_reason
 from pallas_kernels._compat import TRITON_CUSTOM_CALL, export_for_cuda
 
 pytestmark = pytest.mark.kernels
@@ -41,7 +41,7 @@ SHAPES = {
     # > 4 GiB of codes: 64-bit pointer offsets.
     "llama2-b8-300k-int64-offsets": (specs(8, 32, 32, 128, 64, 300000), {}),
     # SmolLM2 heads (GQA 3, d 64), odd T; nbits 4 with dsub 4, fp32 dots.
-    "smollm2-gqa3-odd-T": (specs(2, 9, 3, 64, 32, 8191), {}),
+    "smollm2-gqa3-odd-T-b3": (specs(3, 9, 3, 64, 32, 8191), {}),
     "nbits4-dsub4-fp32": (specs(2, 8, 2, 128, 32, 1000, nbits=4), dict(precision="fp32")),
     # The LUT key path (MHA and GQA 8) and non-default knobs.
     "lut-mha": (specs(1, 8, 8, 128, 64, 4096), dict(key_path="lut")),
@@ -66,3 +66,5 @@ def test_refuses_codes_in_the_32bit_offset_overflow_window() -> None:
     with pytest.raises(ValueError, match="32-bit offset"):
         jax.eval_shape(pq_decode_attention, *specs(12, 32, 32, 128, 64, 131072))
     jax.eval_shape(pq_decode_attention, *specs(8, 32, 32, 128, 64, 131072))  # exactly 2**31: ok
+    assert "32-bit offset" in pq_kernel_unsupported_reason(*specs(12, 32, 32, 128, 64, 131072))
+    assert pq_kernel_unsupported_reason(*specs(8, 32, 32, 128, 64, 131072)) is None

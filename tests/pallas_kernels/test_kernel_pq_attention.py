@@ -14,7 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernel_pq_data import Case, make_inputs, numpy_oracle
-from pallas_kernels import pq_decode_attention, pq_decode_attention_reference
+from pallas_kernels import (
+    pq_decode_attention,
+    pq_decode_attention_reference,
+    pq_kernel_unsupported_reason,
+)
 
 pytestmark = pytest.mark.kernels
 
@@ -72,8 +76,11 @@ def test_centroid_bf16_matches_reference(case: Case, kw: dict) -> None:
     assert_matches_reference(make_inputs(case, seed=1 + seed_of(case)), precision="bf16", **kw)
 
 
-@pytest.mark.parametrize("case,kw", [CASES[0], CASES[3], CASES[5]], ids=[CASE_IDS[0], CASE_IDS[3], CASE_IDS[5]])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "case,kw,precision",
+    [(*CASES[0], "fp32"), (*CASES[3], "bf16"), (*CASES[5], "fp32")],
+    ids=[CASE_IDS[0] + "-fp32", CASE_IDS[3] + "-bf16", CASE_IDS[5] + "-fp32"],
+)
 def test_lut_path_matches_reference(case: Case, kw: dict, precision: str) -> None:
     assert_matches_reference(
         make_inputs(case, seed=2 + seed_of(case)), precision=precision, key_path="lut", **kw
@@ -127,7 +134,7 @@ def test_default_launch_config_runs() -> None:
     assert_matches_reference(inputs, precision="bf16")
 
 
-@settings(max_examples=5, deadline=None, database=None)
+@settings(max_examples=4, deadline=None, database=None)
 @given(
     batch=st.integers(1, 4),
     num_kv_heads=st.integers(1, 2),
@@ -200,3 +207,6 @@ def test_kernel_only_rejections() -> None:
     big_k = dict(args, k_codebooks=jnp.zeros((1, 32, 300, 2)))
     with pytest.raises(ValueError, match="K=300"):
         pq_decode_attention(**big_k, interpret=True)
+    assert "uint8 codes" in pq_kernel_unsupported_reason(**wide)
+    assert "block_t" in pq_kernel_unsupported_reason(**args, block_t=24)
+    assert pq_kernel_unsupported_reason(**args) is None
