@@ -178,7 +178,7 @@ def bench_shape(args, shape: HeadShape, b: int, t: int, variants, copy_bw, devic
         print(f"  {shape.name:12s} T={t:7d} B={b} {impl:28s} {seconds * 1e6:10.1f} us "
               f"{gbps:8.1f} GB/s {r['pct_copy_bw']:5.1f}% copy", flush=True)
 
-    copies = 1 if args.tiny else max(1, min(MAX_COPIES, -(-MIN_HBM_BYTES // pq_bytes)))
+    copies = args.copies or (1 if args.tiny else max(1, min(MAX_COPIES, -(-MIN_HBM_BYTES // pq_bytes))))
     codes, kcb, vcb = make_pq_cache(key, b, shape, t, copies, jnp.dtype(args.codebook_dtype))
     for name, knobs in variants:
         fn = functools.partial(_pq_step, kcb=kcb, vcb=vcb, start=zeros, end=lengths,
@@ -190,7 +190,7 @@ def bench_shape(args, shape: HeadShape, b: int, t: int, variants, copy_bw, devic
             print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     del codes
 
-    copies = 1 if args.tiny else max(1, min(MAX_COPIES, -(-MIN_HBM_BYTES // dense_bytes)))
+    copies = args.copies or (1 if args.tiny else max(1, min(MAX_COPIES, -(-MIN_HBM_BYTES // dense_bytes))))
     dense_impls = [("bf16-xla", dense_xla, "bght")]
     if not args.tiny or args.try_cudnn:
         dense_impls.append(("bf16-cudnn", dense_cudnn, "btgh"))
@@ -328,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", action="append", default=[], help="extra PQ row, NAME:knob=v,...")
     p.add_argument("--codebook-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="codebooks as the cache would pass them (bf16: half the gather bytes)")
+    p.add_argument("--copies", type=int, default=None,
+                   help="cache copies to rotate over (default: enough to exceed 2x L2; 1 with --tiny)")
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--try-cudnn", action="store_true", help="also try cuDNN in --tiny mode")
     args = p.parse_args(argv)

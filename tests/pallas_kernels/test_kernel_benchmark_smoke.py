@@ -24,7 +24,8 @@ def test_gpu_attention_tiny_smoke(tmp_path) -> None:
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     rc = mod.main(["--tiny", "--out", str(tmp_path), "--contexts", "40", "--batches", "2",
-                   "--shapes", "tiny-gqa", "--variant", "bt32:block_t=32"])
+                   "--shapes", "tiny-gqa", "--variant", "bt32:block_t=32",
+                   "--copies", "2", "--try-cudnn"])
     assert rc == 0
     (json_path,) = [p for p in os.listdir(tmp_path) if p.endswith(".json")]
     assert os.path.exists(tmp_path / json_path.replace(".json", ".md"))

@@ -132,6 +132,8 @@ def test_default_launch_config_runs() -> None:
     """No knobs given: default block_t / splits (clamped for a short array) still match."""
     inputs = make_inputs(Case(batch=1, num_kv_heads=1, group=2, seq_len=300), seed=5)
     assert_matches_reference(inputs, precision="bf16")
+    short = make_inputs(Case(batch=2, num_kv_heads=1, group=2, seq_len=5), seed=6)  # T < block_t
+    assert_matches_reference(short, precision="fp32")
 
 
 @settings(max_examples=4, deadline=None, database=None)
