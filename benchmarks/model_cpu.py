@@ -9,7 +9,7 @@ Measured in one run, same process, same cache shape:
   against a Python loop calling a jitted, cache-donating ``decode_step`` plus
   a jitted argmax each step; their ratio is the host-loop overhead that the
   while_loop removes.
-Times are the minimum over ``--repeats`` runs after a compile/warm-up run.
+Times are the minimum over ``--repeats`` interleaved runs after a compile/warm-up run.
 Absolute numbers depend on the CPU; the ratio is the portable result.
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import decode_step, generate, load_model, prefill  # noqa: E402
+from models import (PRESETS, decode_step, generate, init_cache, init_params,  # noqa: E402
+                    load_model, prefill)
 
 
 def _best(fn, repeats: int) -> float:
@@ -43,28 +44,35 @@ def _best(fn, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write results to this path")
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2, an HF dir / .gguf path, or a preset name (random weights, "
+                         "e.g. 'tiny' to expose the per-step host overhead)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=32, help="decode steps measured")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=64, help="decode steps measured")
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
 
     dtype = jnp.dtype(args.dtype)
-    model = load_model(args.model, dtype=dtype)
-    cfg, params = model.config, model.params
-    from pydoc_data.topics import topics
+    if args.model in PRESETS:                     # random weights: isolates per-step overhead
+        cfg = PRESETS[args.model]
+        params = init_params(cfg, jax.random.key(0), dtype)
+        ids = np.random.default_rng(0).integers(0, cfg.vocab, args.prompt_len).tolist()
+    else:
+        model = load_model(args.model, dtype=dtype)
+        cfg, params = model.config, model.params
+        from pydoc_data.topics import topics
 
-    text = " ".join(topics.values())
-    ids = model.encode(text[: 20 * args.prompt_len])[: args.prompt_len]
+        text = " ".join(topics.values())
+        ids = model.encode(text[: 20 * args.prompt_len])[: args.prompt_len]
     b, t, n = args.batch, len(ids), args.steps
     prompts = np.tile(np.asarray(ids, np.int32), (b, 1))
     lengths = np.full((b,), t, np.int32)
     max_len = t + n + 8
 
     def new_cache():
-        return model.new_cache(b, max_len, dtype)
+        return init_cache(cfg, b, max_len, dtype)
 
     # --- prefill
     def run_prefill():
@@ -81,10 +89,6 @@ def main(argv: list[str] | None = None) -> dict:
             jax.block_until_ready(res.tokens)
             assert int(res.num_generated[0]) == steps
         return f
-
-    t_gen_n = _best(run_generate(n), args.repeats)
-    t_gen_1 = _best(run_generate(1), args.repeats)
-    gen_step = (t_gen_n - t_gen_1) / (n - 1)
 
     # --- Python loop of decode_step (jitted, cache donated) + jitted argmax
     step = jax.jit(decode_step, static_argnums=0, donate_argnums=2)
@@ -104,8 +108,21 @@ def main(argv: list[str] | None = None) -> dict:
         jax.block_until_ready(tok)
         return time.perf_counter() - t0
 
-    run_loop()
-    loop_step = min(run_loop() for _ in range(args.repeats)) / (n - 1)
+    def timed(f):
+        t0 = time.perf_counter()
+        f()
+        return time.perf_counter() - t0
+
+    # Interleave the three measurements so load changes on a shared machine hit all alike.
+    gen_n, gen_1 = run_generate(n), run_generate(1)
+    gen_n(), gen_1(), run_loop()                  # compile + warm up
+    t_n, t_1, t_loop = [], [], []
+    for _ in range(args.repeats):
+        t_n.append(timed(gen_n))
+        t_1.append(timed(gen_1))
+        t_loop.append(run_loop())
+    gen_step = (min(t_n) - min(t_1)) / (n - 1)
+    loop_step = min(t_loop) / (n - 1)
 
     result = {
         "benchmark": "model_cpu",

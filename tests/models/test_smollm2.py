@@ -14,6 +14,8 @@ from hf_helpers import rel_err
 
 from models import ModelNotInstalledError, generate, load_model, smollm2_gguf_path
 
+pytestmark = pytest.mark.slow
+
 MIXED_TEXTS = [
     "Hello  world!   Three spaces, a tab\there,\n\nand two newlines.",
     "Ünïcödé: naïve café, Straße, 日本語のテキスト, emoji 🙂👍🏽, Ελληνικά.",
