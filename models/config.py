@@ -131,7 +131,8 @@ class LlamaConfig:
         elif rope_type == "linear":
             scaling = RopeScaling(kind="linear", factor=float(rope["factor"]))
         else:
-            raise ConfigError(f"unsupported rope_type {rope_type!r} in rope_scaling/rope_parameters")
+            raise ConfigError(
+                f"unsupported rope_type {rope_type!r} in rope_scaling/rope_parameters")
         eos = d.get("eos_token_id", 2)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(

@@ -81,7 +81,8 @@ class SafetensorsFile:
         info = self._header[name]
         dtype_name = info.get("dtype")
         if dtype_name not in _DTYPES:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
         dtype = np.dtype(_DTYPES[dtype_name])
         shape = tuple(int(s) for s in info["shape"])
         begin, end = (int(o) for o in info["data_offsets"])

@@ -1,4 +1,4 @@
-"""Random-weight transformers LLaMA models, saved with save_pretrained, loaded by us: same logits."""
+"""Random-weight transformers LLaMA models saved with save_pretrained, loaded by us: same logits."""
 from __future__ import annotations
 
 import json

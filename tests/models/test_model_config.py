@@ -11,9 +11,12 @@ from models.llama import param_shapes, rope_inv_freq
 
 def test_presets_have_the_published_shapes():
     l2, l3, smol = preset("llama2-7b"), preset("llama3.1-8b"), preset("smollm2-135m")
-    assert (l2.hidden, l2.n_layers, l2.n_heads, l2.n_kv_heads, l2.head_dim) == (4096, 32, 32, 32, 128)
-    assert (l3.n_kv_heads, l3.vocab, l3.rope_theta, l3.rope_scaling.factor) == (8, 128256, 5e5, 8.0)
-    assert (smol.n_heads, smol.n_kv_heads, smol.head_dim, smol.tie_word_embeddings) == (9, 3, 64, True)
+    assert (l2.hidden, l2.n_layers, l2.n_heads, l2.n_kv_heads, l2.head_dim) == \
+        (4096, 32, 32, 32, 128)
+    assert (l3.n_kv_heads, l3.vocab, l3.rope_theta, l3.rope_scaling.factor) == \
+        (8, 128256, 5e5, 8.0)
+    assert (smol.n_heads, smol.n_kv_heads, smol.head_dim, smol.tie_word_embeddings) == \
+        (9, 3, 64, True)
     assert "lm_head" not in param_shapes(smol) and "lm_head" in param_shapes(l2)
     n_params = sum(int(np.prod(s)) for s in _leaves(param_shapes(l2)))
     assert abs(n_params - 6.74e9) < 0.01e9                       # LLaMA-2-7B has 6.74B params
