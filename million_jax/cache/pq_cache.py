@@ -17,8 +17,10 @@ sliding window of the last W positions exactly and everything else from
 codes, merged by log-sum-exp. ``quantize_all=True`` is MILLION's evaluation
 protocol: every key/value, the current token's included, is read from codes.
 
-impl: "xla" (pure jnp, runs anywhere), "pallas" (the fused GPU kernel for
-single-token decode, nbits <= 8), "auto" (pallas on GPU when it applies).
+impl: "xla" (pure jnp, runs anywhere); "pallas" (decode steps use the fused
+kernel, an error if it cannot run them, e.g. nbits > 8; interpret mode off
+GPU; prefill always takes the xla path); "auto" (the kernel for decode steps
+on GPU when it supports the shapes, else xla).
 """
 from __future__ import annotations
 
@@ -227,15 +229,11 @@ class PQCache(KVCache):
         }
         return states, cache_consts.per_layer(L)
 
-    def _use_pallas(self, t: int, nbits: int) -> bool:
-        if self.impl == "xla":
-            return False
-        ok = t == 1 and nbits <= 8
-        if self.impl == "pallas":
-            if not ok:
-                raise ValueError("impl='pallas' supports single-token decode with nbits <= 8 only")
-            return True
-        return ok and _on_gpu()
+    def _pallas_blocker(self, q, k_codes, v_codes, kcb, vcb, lo, hi) -> str | None:
+        """None when the fused kernel can run this call, else the reason it cannot."""
+        from pallas_kernels import pq_kernel_unsupported_reason
+
+        return pq_kernel_unsupported_reason(q[:, 0], k_codes, v_codes, kcb, vcb, lo[:, 0], hi[:, 0])
 
     def attend(self, state, const, q, k, v, n_new):
         """Append k, v (float[B, T, Hkv, d]) to one layer and attend q float[B, T, H, d]."""
@@ -243,6 +241,8 @@ class PQCache(KVCache):
         b, t = q.shape[:2]
         t_max = self.max_len
         lengths = self.lengths
+        # Tokens that would land past T_max are dropped everywhere (codes, ring, sinks).
+        n_new = jnp.clip(jnp.minimum(n_new, t_max - lengths), 0)
         steps = jnp.arange(t, dtype=jnp.int32)
         pos = lengths[:, None] + steps[None, :]
         real = steps[None, :] < n_new[:, None]
@@ -262,19 +262,26 @@ class PQCache(KVCache):
         new_state = dict(k_codes=k_codes, v_codes=v_codes, sink_k=sink_k, sink_v=sink_v, ring_k=ring_k, ring_v=ring_v)
 
         # Code region per query: [lo, hi).
-        end = jnp.minimum(lengths + n_new, t_max)[:, None]
+        end = (lengths + n_new)[:, None]
         if self.quantize_all:
             lo = jnp.zeros_like(pos)
             hi = jnp.minimum(pos + 1, end)
         else:
             lo = jnp.full_like(pos, self.sinks)
             hi = jnp.minimum(pos + 1 - self.window, end)
-        nbits = int(kcb.shape[-2]).bit_length() - 1
-        if self._use_pallas(t, nbits):
-            from pallas_kernels.pq_decode_attention import pq_decode_attention
+        use_pallas = False
+        # The kernel is a decode kernel: multi-token calls (prefill) always take the xla path.
+        if self.impl != "xla" and t == 1:
+            blocker = self._pallas_blocker(q, k_codes, v_codes, kcb, vcb, lo, hi)
+            if self.impl == "pallas" and blocker:
+                raise ValueError(f"impl='pallas' cannot run: {blocker}")
+            use_pallas = blocker is None and (self.impl == "pallas" or _on_gpu())
+        if use_pallas:
+            from pallas_kernels import pq_decode_attention
 
             out_c, lse_c = pq_decode_attention(
-                q[:, 0], k_codes, v_codes, kcb, vcb, lo[:, 0], jnp.maximum(hi[:, 0], lo[:, 0])
+                q[:, 0], k_codes, v_codes, kcb, vcb, lo[:, 0], jnp.maximum(hi[:, 0], lo[:, 0]),
+                interpret=not _on_gpu(),  # off-GPU (tests) the kernel runs in interpret mode
             )
             out_c, lse_c = out_c[:, None], lse_c[:, None]
         else:

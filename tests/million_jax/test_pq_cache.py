@@ -160,3 +160,27 @@ def test_mismatched_codebooks_rejected():
         PQCodebooks(Codebooks(np.zeros((4, 4, 4), np.float32)), Codebooks(np.zeros((4, 4, 4), np.float32)), "head")
     with pytest.raises(ValueError, match="not divisible"):
         PQCache.create(1, 1, 1, 8, 10, M=4, nbits=4)
+
+
+@pytest.mark.parametrize("window, sinks", [(0, 0), (4, 2)])
+def test_pallas_impl_matches_xla_on_decode(window, sinks):
+    """impl='pallas' (the fused kernel, interpret mode off-GPU) equals the xla path."""
+    rng = np.random.default_rng(5)
+    hkv, g, d, M, nbits = 2, 4, 64, 32, 8
+    books = _books(rng, 1, hkv, d, M, nbits, "layer_head")
+    T = 9
+    q = rng.standard_normal((2, T, hkv * g, d)).astype(np.float32)
+    k = rng.standard_normal((2, T, hkv, d)).astype(np.float32)
+    n = np.array([T, 3], np.int32)
+    mk = lambda impl: PQCache.create(1, 2, hkv, 16, d, M=M, nbits=nbits, window=window, sinks=sinks,
+                                     dtype=jnp.float32, impl=impl)
+    outs = {}
+    for impl in ("xla", "pallas"):
+        cache, _ = _run(mk(impl), books, [q[:, :T]], [k], [k], [n])
+        _, (o,) = _run(cache, books, [q[:, :1]], [k[:, :1]], [k[:, :1]], [np.ones(2, np.int32)])
+        outs[impl] = o
+    np.testing.assert_allclose(outs["pallas"], outs["xla"], rtol=3e-2, atol=3e-2)  # bf16 dots in the kernel
+    books12 = _books(rng, 1, hkv, d, M, 10, "layer_head")
+    c12 = PQCache.create(1, 2, hkv, 16, d, M=M, nbits=10, impl="pallas", dtype=jnp.float32)
+    with pytest.raises(ValueError, match="impl='pallas' cannot run"):
+        _run(c12, books12, [q[:, :1]], [k[:, :1]], [k[:, :1]], [np.ones(2, np.int32)])

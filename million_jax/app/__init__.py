@@ -1,0 +1,1 @@
+"""The application layer: what the command line drives (may import ``models``)."""
