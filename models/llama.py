@@ -178,14 +178,28 @@ def _block(config: LlamaConfig, lp: Params, h: jax.Array, cos: jax.Array, sin: j
 
 def _run_layers(config: LlamaConfig, params: Params, h: jax.Array, positions: jax.Array,
                 attend, states: Any, consts: Any) -> tuple[jax.Array, Any]:
-    """lax.scan over the stacked layers; attend(state, const, q, k, v) -> (out, state)."""
+    """lax.scan over the stacked layers; attend(state, const, q, k, v) -> (out, state).
+
+    The stacked cache states ride in the scan carry: layer i is sliced out, handed
+    to the cache and written back with a dynamic update. XLA updates a loop carry
+    in place, so a donated cache is never rebuilt as a second stacked copy (which
+    is what returning the states as scan outputs would do).
+    """
     cos, sin = _rope_tables(config, positions)
 
-    def body(h, xs):
-        lp, state, const = xs
-        return _block(config, lp, h, cos, sin, lambda q, k, v: attend(state, const, q, k, v))
+    def body(carry, xs):
+        h, states = carry
+        i, lp, const = xs
+        state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), states)
+        h, state = _block(config, lp, h, cos, sin, lambda q, k, v: attend(state, const, q, k, v))
+        if state is not None:
+            states = jax.tree.map(lambda a, s: jax.lax.dynamic_update_index_in_dim(a, s, i, 0),
+                                  states, state)
+        return (h, states), None
 
-    return jax.lax.scan(body, h, (params["layers"], states, consts))
+    n = config.n_layers
+    (h, states), _ = jax.lax.scan(body, (h, states), (jnp.arange(n), params["layers"], consts))
+    return h, states
 
 
 def _logits(config: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
