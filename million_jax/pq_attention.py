@@ -28,6 +28,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from million_jax.online_softmax import pad_rows, softmax_finish, softmax_init, softmax_step, to_tiles
+
 __all__ = ["pq_attention", "LUT_MAX_QUERIES"]
 
 # With at most this many queries per call the key scores come from the LUT;
@@ -71,25 +73,19 @@ def pq_attention(
         raise ValueError(f"codebook [G={g}, M={m_cb}, K={kc}, dsub={dsub}] does not fit codes M={m}, d={d}")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     tile = max(1, min(tile, n))
-    n_pad = -n % tile
-    if n_pad:
-        pad = ((0, 0), (0, 0), (0, n_pad), (0, 0))
-        k_codes = jnp.pad(k_codes, pad)
-        v_codes = jnp.pad(v_codes, pad)
-    n_tiles = (n + n_pad) // tile
-    kct = jnp.moveaxis(k_codes.reshape(b, hkv, n_tiles, tile, m), 2, 0)
-    vct = jnp.moveaxis(v_codes.reshape(b, hkv, n_tiles, tile, m), 2, 0)
+    n_tiles = -(-n // tile)
+    kct = to_tiles(pad_rows(k_codes, n_tiles * tile), n_tiles)  # [n_tiles, B, Hkv, tile, M]
+    vct = to_tiles(pad_rows(v_codes, n_tiles * tile), n_tiles)
 
     qg = q.astype(jnp.float32).reshape(b, t, hkv, grp, d)
     use_lut = t <= LUT_MAX_QUERIES
     if use_lut:
         ck = jnp.broadcast_to(k_centroids.astype(jnp.float32), (hkv, m, kc, dsub))
-        # LUT[b, t, kv, g, m, j] = q_m . Ck_m[j]
+        # LUT[b, kv, (g, t), m, j] = q_m . Ck_m[j]
         lut = jnp.einsum("btkgmd,kmjd->bkgtmj", qg.reshape(b, t, hkv, grp, m, dsub), ck)
         lut = lut.reshape(b, hkv, grp * t, m, kc)
 
     def body(carry, xs):
-        m_run, l_run, acc = carry  # [B, Hkv, G, T], [B, Hkv, G, T], [B, Hkv, G, T, d]
         i, kc_tile, vc_tile = xs
         if use_lut:
             # sum over m of LUT[..., m, code[s, m]]
@@ -100,28 +96,10 @@ def pq_attention(
         else:
             kd = _gather_centroids(k_centroids, kc_tile)  # [B, Hkv, tile, d]
             scores = jnp.einsum("btkgd,bksd->bkgts", qg, kd)
-        scores = scores * scale
         s_pos = i * tile + jnp.arange(tile, dtype=jnp.int32)
         vis = (s_pos[None, None, :] >= lo[:, :, None]) & (s_pos[None, None, :] < hi[:, :, None])  # [B,T,tile]
-        vis = vis[:, None, None, :, :]
-        scores = jnp.where(vis, scores, -jnp.inf)
-        m_new = jnp.maximum(m_run, jnp.max(scores, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(vis, jnp.exp(scores - m_safe[..., None]), 0.0)
-        alpha = jnp.where(jnp.isfinite(m_run), jnp.exp(m_run - m_safe), 0.0)
         vd = _gather_centroids(v_centroids, vc_tile)  # [B, Hkv, tile, d]
-        acc = acc * alpha[..., None] + jnp.einsum("bkgts,bksd->bkgtd", p, vd)
-        l_run = l_run * alpha + jnp.sum(p, axis=-1)
-        return (m_new, l_run, acc), None
+        return softmax_step(carry, scores * scale, vis[:, None, None], vd), None
 
-    init = (
-        jnp.full((b, hkv, grp, t), -jnp.inf, jnp.float32),
-        jnp.zeros((b, hkv, grp, t), jnp.float32),
-        jnp.zeros((b, hkv, grp, t, d), jnp.float32),
-    )
-    (m_run, l_run, acc), _ = jax.lax.scan(body, init, (jnp.arange(n_tiles, dtype=jnp.int32), kct, vct))
-    out = acc / jnp.where(l_run > 0, l_run, 1.0)[..., None]
-    lse = jnp.where(l_run > 0, jnp.where(jnp.isfinite(m_run), m_run, 0.0) + jnp.log(jnp.where(l_run > 0, l_run, 1.0)), -jnp.inf)
-    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d)
-    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)
-    return out, lse
+    carry, _ = jax.lax.scan(body, softmax_init(b, hkv, grp, t, d), (jnp.arange(n_tiles, dtype=jnp.int32), kct, vct))
+    return softmax_finish(carry, b, t, h, d)

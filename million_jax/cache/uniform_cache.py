@@ -64,6 +64,7 @@ import numpy as np
 from million_jax.attention import merge_attention
 from million_jax.cache.base import KVCache
 from million_jax.cache.window import exact_window_attention, write_rows, write_window
+from million_jax.online_softmax import pad_rows, softmax_finish, softmax_init, softmax_step, to_tiles
 from million_jax.uniform_quant import (
     KVBits,
     bits_per_element,
@@ -86,44 +87,6 @@ CURRENT_CHUNK = 64
 
 
 # ------------------------------------------------------------------ attention over codes
-def _online_softmax_step(carry, scores, vis, vd):
-    """One tile of the online softmax. scores f32[B, Hkv, g, T, n], vis bool[B, 1, 1, T, n],
-    vd f32[B, Hkv, n, d]; carry (m, l, acc) = [B, Hkv, g, T], same, [B, Hkv, g, T, d]."""
-    m_run, l_run, acc = carry
-    scores = jnp.where(vis, scores, -jnp.inf)
-    m_new = jnp.maximum(m_run, jnp.max(scores, axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p = jnp.where(vis, jnp.exp(scores - m_safe[..., None]), 0.0)
-    alpha = jnp.where(jnp.isfinite(m_run), jnp.exp(m_run - m_safe), 0.0)
-    acc = acc * alpha[..., None] + jnp.einsum("bkgts,bksd->bkgtd", p, vd)
-    l_run = l_run * alpha + jnp.sum(p, axis=-1)
-    return m_new, l_run, acc
-
-
-def _finish(m_run, l_run, acc, b, t, h, d):
-    """(out f32[B, T, H, d], lse f32[B, T, H]) from online-softmax state."""
-    ok = l_run > 0
-    out = acc / jnp.where(ok, l_run, 1.0)[..., None]
-    lse = jnp.where(ok, jnp.where(jnp.isfinite(m_run), m_run, 0.0) + jnp.log(jnp.where(ok, l_run, 1.0)), -jnp.inf)
-    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d)
-    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)
-    return out, lse
-
-
-def _pad_rows(x: jax.Array, n: int) -> jax.Array:
-    """Zero-pad axis 2 of x [B, Hkv, N, ...] to n rows."""
-    pad = n - x.shape[2]
-    if pad <= 0:
-        return x
-    return jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
-
-
-def _tiles(x: jax.Array, n_tiles: int) -> jax.Array:
-    """[B, Hkv, n_tiles*r, ...] -> [n_tiles, B, Hkv, r, ...] (scanned over the first axis)."""
-    b, hkv, n = x.shape[:3]
-    return jnp.moveaxis(x.reshape((b, hkv, n_tiles, n // n_tiles) + x.shape[3:]), 2, 0)
-
-
 def uniform_attention(
     q: jax.Array,
     k_codes: jax.Array,
@@ -163,12 +126,12 @@ def uniform_attention(
     n_all = n_tiles * tile
     xs = (
         jnp.arange(n_tiles, dtype=jnp.int32),
-        _tiles(_pad_rows(k_codes, n_all), n_tiles),
-        _tiles(_pad_rows(k_scale, n_all // key_rows), n_tiles),
-        _tiles(_pad_rows(k_zero, n_all // key_rows), n_tiles),
-        _tiles(_pad_rows(v_codes, n_all), n_tiles),
-        _tiles(_pad_rows(v_scale, n_all), n_tiles),
-        _tiles(_pad_rows(v_zero, n_all), n_tiles),
+        to_tiles(pad_rows(k_codes, n_all), n_tiles),
+        to_tiles(pad_rows(k_scale, n_all // key_rows), n_tiles),
+        to_tiles(pad_rows(k_zero, n_all // key_rows), n_tiles),
+        to_tiles(pad_rows(v_codes, n_all), n_tiles),
+        to_tiles(pad_rows(v_scale, n_all), n_tiles),
+        to_tiles(pad_rows(v_zero, n_all), n_tiles),
     )
     qg = q.astype(jnp.float32).reshape(b, t, hkv, grp, d)
 
@@ -181,15 +144,10 @@ def uniform_attention(
         scores = jnp.einsum("btkgd,bksd->bkgts", qg, kd) * scale  # [B, Hkv, g, T, tile]
         s_pos = i * tile + jnp.arange(tile, dtype=jnp.int32)
         vis = (s_pos[None, None, :] >= lo[:, :, None]) & (s_pos[None, None, :] < hi[:, :, None])
-        return _online_softmax_step(carry, scores, vis[:, None, None], vd), None
+        return softmax_step(carry, scores, vis[:, None, None], vd), None
 
-    init = (
-        jnp.full((b, hkv, grp, t), -jnp.inf, jnp.float32),
-        jnp.zeros((b, hkv, grp, t), jnp.float32),
-        jnp.zeros((b, hkv, grp, t, d), jnp.float32),
-    )
-    (m_run, l_run, acc), _ = jax.lax.scan(body, init, xs)
-    return _finish(m_run, l_run, acc, b, t, h, d)
+    carry, _ = jax.lax.scan(body, softmax_init(b, hkv, grp, t, d), xs)
+    return softmax_finish(carry, b, t, h, d)
 
 
 def _rows(x: jax.Array, idx: jax.Array) -> jax.Array:
