@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from million_jax.app.errors import UsageError
+from million_jax.app.progress import bar
 from million_jax.cache.pq_cache import PQCodebooks
 from million_jax.calibration import DEFAULT_MAX_VECTORS, collect_kv, fit_kv_codebooks
+from million_jax.codebook_io import CodebookFileError, load_codebooks, save_codebooks
 from models import LoadedModel, init_cache, prefill
 
 
@@ -59,3 +63,113 @@ def calibrate_model(model: LoadedModel, ids: Sequence[int], *, M: int, nbits: in
     k, v = collect_model_kv(model, ids, window=window, batch=batch, max_tokens=max_tokens, progress=progress)
     return fit_kv_codebooks(k, v, M=M, nbits=nbits, granularity=granularity, key=key,
                             max_vectors=max_vectors, iters=iters)
+
+
+# ---------------------------------------------------------------------------- files
+def codebook_metadata(model: LoadedModel, books: PQCodebooks, **extra) -> dict:
+    """What a codebook file records: the model it belongs to, its shapes, how it was made."""
+    c = model.config
+    meta = {
+        "model_fingerprint": model_fingerprint(model),
+        "model_source": os.path.basename(os.path.normpath(model.source)),
+        "n_layers": c.n_layers,
+        "n_kv_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "M": books.M,
+        "nbits": books.nbits,
+        "granularity": books.granularity,
+        "bits_per_elem": books.M * books.nbits / c.head_dim,
+    }
+    meta.update(extra)
+    return meta
+
+
+def save_model_codebooks(path: str, books: PQCodebooks, meta: dict) -> None:
+    """Write key/value codebooks and their metadata (see :func:`codebook_metadata`)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"--out: directory {parent} does not exist")
+    save_codebooks(path, {"key": books.key, "value": books.value}, meta)
+
+
+def load_model_codebooks(path: str, model: LoadedModel) -> tuple[PQCodebooks, dict]:
+    """Codebooks from ``path``, checked against ``model``; any mismatch is one UsageError line."""
+    c = model.config
+    # Shapes first (their message is the most telling), then the exact model.
+    expect = {"n_layers": c.n_layers, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
+              "model_fingerprint": model_fingerprint(model)}
+    try:
+        tensors, meta = load_codebooks(path, expect=expect)
+    except CodebookFileError as e:
+        hint = ""
+        if "does not match expected" in str(e):
+            hint = (f" (these codebooks were calibrated for {meta_source(path)}; run "
+                    "`million-jax calibrate` with this model)")
+        raise UsageError(f"{e}{hint}") from None
+    if set(tensors) != {"key", "value"}:
+        raise UsageError(f"{path}: expected 'key' and 'value' codebooks, found {sorted(tensors)}")
+    granularity = meta.get("granularity")
+    try:
+        books = PQCodebooks(tensors["key"], tensors["value"], granularity)
+        books.check(c.n_layers, c.n_kv_heads, c.head_dim)
+    except ValueError as e:
+        raise UsageError(f"{path}: {e}") from None
+    return books, meta
+
+
+def meta_source(path: str) -> str:
+    """The model a codebook file says it belongs to (best effort, for error messages)."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(path, framework="numpy") as f:
+            user = json.loads((f.metadata() or {}).get("million_jax", "{}")).get("user", {})
+        return f"model {user.get('model_source', '?')} (fingerprint {user.get('model_fingerprint', '?')})"
+    except Exception:  # noqa: BLE001 - only used to word an error message
+        return "another model"
+
+
+# ---------------------------------------------------------------------------- pipeline
+def calibration_kv(model: LoadedModel, ids: Sequence[int], *, tokens: int, window: int,
+                   batch: int = 4) -> tuple[np.ndarray, np.ndarray, int]:
+    """(keys, values, tokens used): post-RoPE K/V of the first ``tokens`` ids, in windows."""
+    if window < 2:
+        raise UsageError(f"--window must be >= 2, got {window}")
+    use = min(tokens, len(ids))
+    n_win = use // window
+    if n_win == 0:
+        raise UsageError(f"calibration text gives {use} tokens, fewer than one window of {window}"
+                         " (use more text or a smaller --window)")
+    pbar = bar(n_win, "calibration forward", unit="window")
+
+    def progress(done: int, total: int) -> None:
+        pbar.n = done
+        pbar.refresh()
+
+    try:
+        k, v = collect_model_kv(model, ids, window=window, batch=batch, max_tokens=use,
+                                progress=progress)
+    finally:
+        pbar.close()
+    return k, v, n_win * window
+
+
+def fit_model_codebooks(k: np.ndarray, v: np.ndarray, *, M: int, nbits: int, granularity: str,
+                        seed: int = 0, iters: int = 25,
+                        max_vectors: int = DEFAULT_MAX_VECTORS) -> PQCodebooks:
+    """``fit_kv_codebooks`` with settings errors as UsageErrors."""
+    try:
+        return fit_kv_codebooks(k, v, M=M, nbits=nbits, granularity=granularity,
+                                key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def kmeans_problem_summary(shape: tuple[int, ...], M: int, nbits: int, granularity: str,
+                           max_vectors: int) -> str:
+    """One line describing the k-means work: problems, vectors each, centroids."""
+    L, hkv, n, _ = shape
+    groups, pool = {"shared": (1, L * hkv * n), "layer": (L, hkv * n),
+                    "layer_head": (L * hkv, n)}[granularity]
+    return (f"2 x {groups * M} k-means problems (K and V; {groups} codebook groups x M={M}), "
+            f"{min(pool, max_vectors)} vectors each, K={2 ** nbits} centroids")

@@ -1,0 +1,209 @@
+"""Which KV cache to run: one small spec shared by eval, sweep, generate and passkey.
+
+``CacheSpec`` names a cache kind and its settings, builds empty caches for a model
+shape, and does the memory accounting every command reports:
+
+    bits_per_elem          stored bits per K/V element, every per-token overhead counted:
+                           dense: the dtype's bits (16 for bf16, 32 for fp32);
+                           pq: M * nbits / d (the codes; codebooks are counted separately);
+                           uniform: codes + scales + zeros (``UniformCache.bits_per_element``)
+    storage_bits_per_elem  what the arrays hold today (PQ codes padded to uint8/uint16)
+    cache_bytes            ``cache.nbytes()`` of an empty cache of the shape (the whole
+                           state: codes, exact ring and sinks, staging buffers, lengths)
+    dense_cache_bytes      a DenseCache of the same shape in the requested dtype
+    codebook_bytes         the PQ codebooks (constant, shared by every sequence)
+
+Protocols: ``all`` reads every key and value from the quantized store (MILLION's
+evaluation); ``realistic`` keeps the last ``recent`` tokens and the first ``sinks``
+tokens exact.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from million_jax.app.errors import UsageError
+from million_jax.cache.dense import DenseCache
+from million_jax.cache.pq_cache import PQCache, PQCodebooks
+from million_jax.cache.uniform_cache import UniformCache
+from million_jax.pq import bits_per_element as pq_bits_per_element
+from million_jax.pq import storage_bits_per_element as pq_storage_bits
+
+KINDS = ("dense", "pq", "uniform")
+PROTOCOLS = ("all", "realistic")
+UNIFORM_MODES = ("kivi", "token")
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@functools.lru_cache(maxsize=None)
+def dense_dtype_runs(dtype_name: str) -> bool:
+    """Whether exact attention over a cache of this dtype runs on the default backend.
+
+    (XLA:CPU rejects the bf16 x bf16 -> f32 dot that a bf16 DenseCache needs; the
+    command line then keeps the dense cache in float32 and says so.)
+    """
+    if dtype_name == "float32":
+        return True
+    from million_jax.attention import causal_attention
+
+    dt = DTYPES[dtype_name]
+    b, t, h, hkv, d = 2, 128, 4, 2, 64  # large enough for XLA to emit real dot calls
+    try:
+        q = jnp.zeros((b, t, h, d), jnp.float32)
+        kv = jnp.zeros((b, hkv, t, d), dt)
+        fn = jax.jit(lambda q, kv: causal_attention(q, kv, kv, q_positions=jnp.zeros((b, t), jnp.int32),
+                                                    kv_lengths=jnp.full((b,), t, jnp.int32)))
+        jax.block_until_ready(fn(q, kv))
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "does not run here"
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """A cache kind and its settings (see the module docstring)."""
+
+    kind: str = "dense"
+    protocol: str = "all"
+    recent: int = 0
+    sinks: int = 0
+    dtype: str = "bfloat16"
+    bits: int | None = None
+    group_size: int = 32
+    uniform_mode: str = "kivi"
+    codebooks: PQCodebooks | None = None
+    codebooks_path: str | None = None
+    impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise UsageError(f"--cache must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.protocol not in PROTOCOLS:
+            raise UsageError(f"--protocol must be 'all' or 'realistic', got {self.protocol!r}")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--cache-dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.recent < 0 or self.sinks < 0:
+            raise UsageError("--recent and --sinks must be >= 0")
+        if self.kind == "pq" and self.codebooks is None:
+            raise UsageError("--cache pq needs --codebooks FILE (make one with `million-jax calibrate`)")
+        if self.kind != "pq" and self.codebooks is not None:
+            raise UsageError(f"--codebooks is only used with --cache pq, not --cache {self.kind}")
+        if self.kind == "uniform":
+            if self.bits not in (2, 4, 8):
+                raise UsageError(f"--cache uniform needs --bits 2, 4 or 8, got {self.bits}")
+            if self.uniform_mode not in UNIFORM_MODES:
+                raise UsageError(f"--uniform-mode must be 'kivi' or 'token', got {self.uniform_mode!r}")
+        elif self.bits is not None:
+            raise UsageError(f"--bits is only used with --cache uniform, not --cache {self.kind}")
+
+    # ------------------------------------------------------------------ naming
+    @property
+    def quantize_all(self) -> bool:
+        return self.protocol == "all"
+
+    @property
+    def effective_dtype(self) -> str:
+        """The dtype actually used (a dense bf16 cache falls back to fp32 where it cannot run)."""
+        if self.kind == "dense" and not dense_dtype_runs(self.dtype):
+            return "float32"
+        return self.dtype
+
+    def label(self) -> str:
+        """A short human-readable name, e.g. ``pq M=32 nbits=8 layer_head``."""
+        if self.kind == "dense":
+            return f"dense {self.effective_dtype}"
+        if self.kind == "pq":
+            b = self.codebooks
+            return f"pq M={b.M} nbits={b.nbits} {b.granularity}"
+        if self.uniform_mode == "kivi":
+            return f"uniform kivi int{self.bits} g{self.group_size}"
+        return f"uniform token int{self.bits}"
+
+    def settings(self) -> dict[str, Any]:
+        """JSON-ready settings of this cache."""
+        out: dict[str, Any] = {"cache": self.kind, "cache_label": self.label(),
+                               "cache_dtype": self.effective_dtype}
+        if self.effective_dtype != self.dtype:
+            out["requested_cache_dtype"] = self.dtype
+            out["note"] = (f"a {self.dtype} dense cache does not run on the "
+                           f"{jax.default_backend()} backend; float32 used")
+        if self.kind == "dense":
+            return out
+        out.update(protocol=self.protocol,
+                   recent=self.recent if self.protocol == "realistic" else 0,
+                   sinks=self.sinks if self.protocol == "realistic" else 0)
+        if self.kind == "pq":
+            b = self.codebooks
+            out.update(M=b.M, nbits=b.nbits, granularity=b.granularity, codebooks=self.codebooks_path)
+        else:
+            out.update(bits=self.bits, uniform_mode=self.uniform_mode,
+                       group_size=self.group_size if self.uniform_mode == "kivi" else None)
+        return out
+
+    # ------------------------------------------------------------------ building
+    def build(self, config: Any, batch: int, max_len: int) -> tuple[Any, Any]:
+        """(empty cache, cache_consts) for a model config; bad settings are UsageErrors."""
+        L, hkv, d = config.n_layers, config.n_kv_heads, config.head_dim
+        dt = DTYPES[self.effective_dtype]
+        window = self.recent if self.protocol == "realistic" else 0
+        sinks = self.sinks if self.protocol == "realistic" else 0
+        try:
+            if self.kind == "dense":
+                return DenseCache.create(L, batch, hkv, max_len, d, dt), None
+            if self.kind == "pq":
+                self.codebooks.check(L, hkv, d)
+                cache = PQCache.for_codebooks(self.codebooks, L, batch, hkv, max_len, window=window,
+                                              sinks=sinks, dtype=dt, quantize_all=self.quantize_all,
+                                              impl=self.impl)
+                return cache, self.codebooks
+            cache = UniformCache.create(L, batch, hkv, max_len, d, bits=self.bits,
+                                        group_size=self.group_size, mode=self.uniform_mode,
+                                        window=window, sinks=sinks, dtype=dt,
+                                        quantize_all=self.quantize_all)
+            return cache, None
+        except ValueError as e:
+            raise UsageError(f"{self.label()}: {e}") from None
+
+    # ------------------------------------------------------------------ accounting
+    def bits_per_elem(self, head_dim: int) -> float:
+        """Stored bits per key/value element (see the module docstring)."""
+        if self.kind == "dense":
+            return float(jnp.dtype(DTYPES[self.effective_dtype]).itemsize * 8)
+        if self.kind == "pq":
+            return float(pq_bits_per_element(head_dim, self.codebooks.M, self.codebooks.nbits))
+        cache = self._shape_only(head_dim)
+        return float(cache.bits_per_element.mean)
+
+    def storage_bits_per_elem(self, head_dim: int) -> float:
+        """Bits per element as the arrays store them today (PQ codes in uint8/uint16)."""
+        if self.kind == "pq":
+            return float(pq_storage_bits(head_dim, self.codebooks.M, self.codebooks.nbits))
+        return self.bits_per_elem(head_dim)
+
+    def _shape_only(self, head_dim: int) -> UniformCache:
+        g = self.group_size if self.uniform_mode == "kivi" else head_dim
+        return jax.eval_shape(lambda: UniformCache.create(
+            1, 1, 1, g, head_dim, bits=self.bits, group_size=self.group_size,
+            mode=self.uniform_mode, dtype=DTYPES[self.dtype]))
+
+    def memory(self, config: Any, batch: int, max_len: int) -> dict[str, Any]:
+        """bits_per_elem, storage_bits_per_elem, cache_bytes, dense_cache_bytes, codebook_bytes."""
+        d = config.head_dim
+        # Shapes only (nothing allocated): nbytes() reads shapes and dtypes.
+        cache_bytes = jax.eval_shape(lambda: self.build(config, batch, max_len)[0]).nbytes()
+        dense_bytes = jax.eval_shape(lambda: DenseCache.create(
+            config.n_layers, batch, config.n_kv_heads, max_len, d, DTYPES[self.dtype])).nbytes()
+        return {
+            "bits_per_elem": self.bits_per_elem(d),
+            "storage_bits_per_elem": self.storage_bits_per_elem(d),
+            "cache_bytes": int(cache_bytes),
+            "dense_cache_bytes": int(dense_bytes),
+            "dense_cache_dtype": self.dtype,
+            "codebook_bytes": int(self.codebooks.nbytes) if self.kind == "pq" else 0,
+            "cache_shape": {"batch": batch, "max_len": max_len, "layers": config.n_layers,
+                            "kv_heads": config.n_kv_heads, "head_dim": d},
+        }

@@ -1,0 +1,147 @@
+"""The subcommands behind ``million-jax`` (argparse namespaces in, exit status out)."""
+from __future__ import annotations
+
+import argparse
+
+from million_jax.app import progress
+from million_jax.app.caches import CacheSpec
+from million_jax.app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks,
+                                       kmeans_problem_summary, load_model_codebooks,
+                                       model_fingerprint, save_model_codebooks)
+from million_jax.app.corpus import read_text, text_hash
+from million_jax.app.errors import UsageError
+from million_jax.app.loading import model_name, open_model, tokenize
+from million_jax.app.perplexity import evaluate
+from million_jax.app.report import check_out_dir, environment, human_bytes, memory_line, write_json
+from models import LoadedModel
+
+
+def load_text(spec: str, flag: str) -> str:
+    """read_text with missing/empty files as UsageErrors naming the flag."""
+    try:
+        return read_text(spec)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
+def cache_spec(args: argparse.Namespace, model: LoadedModel) -> CacheSpec:
+    """The CacheSpec of the cache flags, refusing contradictory combinations."""
+    protocol = args.protocol or args.default_protocol
+    quantized = args.cache != "dense"
+    if not quantized:
+        given = [f for f, v in (("--protocol", args.protocol), ("--recent", args.recent),
+                                ("--sinks", args.sinks)) if v is not None]
+        if given:
+            raise UsageError(f"{'/'.join(given)} only apply to quantized caches (--cache pq or "
+                             "uniform); a dense cache is exact")
+    if protocol == "all" and (args.recent is not None or args.sinks is not None):
+        raise UsageError("--recent/--sinks keep tokens exact, which only --protocol realistic "
+                         "does (--protocol all quantizes every token)")
+    if args.cache != "uniform" and (args.group_size is not None or args.uniform_mode is not None):
+        raise UsageError("--group-size/--uniform-mode are settings of --cache uniform")
+    if args.uniform_mode == "token" and args.group_size is not None:
+        raise UsageError("--group-size applies to --uniform-mode kivi (token mode has one "
+                         "scale per token)")
+    books, path = None, None
+    if args.codebooks is not None:
+        if args.cache != "pq":
+            raise UsageError(f"--codebooks is only used with --cache pq, not --cache {args.cache}")
+        books, _ = load_model_codebooks(args.codebooks, model)
+        path = args.codebooks
+    return CacheSpec(kind=args.cache, protocol=protocol if quantized else "all",
+                     recent=128 if args.recent is None else args.recent,
+                     sinks=0 if args.sinks is None else args.sinks,
+                     dtype=args.cache_dtype, bits=args.bits,
+                     group_size=32 if args.group_size is None else args.group_size,
+                     uniform_mode=args.uniform_mode or "kivi", codebooks=books, codebooks_path=path)
+
+
+def check_positive(**values: int | None) -> None:
+    """UsageError for the first flag that is set and < 1."""
+    for name, v in values.items():
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+
+
+# ---------------------------------------------------------------------------- calibrate
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit K/V codebooks on calibration text and save them with metadata."""
+    check_positive(tokens=args.tokens, iters=args.iters, max_vectors=args.max_vectors,
+                   batch=args.batch, M=args.M)
+    check_out_dir(args.out, "--out")
+    text = load_text(args.text, "--text")
+    model = open_model(args.model)
+    d = model.config.head_dim
+    M = args.M or d // 2
+    if d % M:
+        raise UsageError(f"--M {M} does not divide the model's head_dim {d}")
+    if not 1 <= args.nbits <= 12:
+        raise UsageError(f"--nbits must be in 1..12, got {args.nbits}")
+    ids = tokenize(model, text)
+    progress.status(f"calibration text {args.text}: {len(ids)} tokens, using up to {args.tokens}")
+    k, v, used = calibration_kv(model, ids, tokens=args.tokens, window=args.window, batch=args.batch)
+    progress.status("k-means: " + kmeans_problem_summary(k.shape, M, args.nbits, args.granularity,
+                                                         args.max_vectors)
+                    + f", {args.iters} iterations")
+    with progress.timed("fitting codebooks") as t:
+        books = fit_model_codebooks(k, v, M=M, nbits=args.nbits, granularity=args.granularity,
+                                    seed=args.seed, iters=args.iters, max_vectors=args.max_vectors)
+    meta = codebook_metadata(model, books, calib_text=args.text, calib_text_hash=text_hash(text),
+                             calib_tokens=used, calib_window=args.window, seed=args.seed,
+                             iters=args.iters, max_vectors=args.max_vectors,
+                             fit_seconds=round(t["seconds"], 2))
+    save_model_codebooks(args.out, books, meta)
+    print(f"wrote {args.out}: M={books.M} nbits={books.nbits} {books.granularity} codebooks "
+          f"({meta['bits_per_elem']:.2f} bits/elem, {human_bytes(books.nbytes)}) for "
+          f"{model_name(model)} from {used} tokens of {args.text}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- eval
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Perplexity through one cache (MILLION's windowed protocol)."""
+    check_positive(window=args.window, max_tokens=args.max_tokens, batch=args.batch)
+    if args.json:
+        check_out_dir(args.json, "--json")
+    text = load_text(args.text, "--text")
+    model = open_model(args.model)
+    spec = cache_spec(args, model)
+    ids = tokenize(model, text, bos=args.bos)
+    progress.status(f"eval text {args.text}: {len(ids)} tokens; {spec.label()}")
+    r = evaluate(model, ids, spec, window=args.window, max_tokens=args.max_tokens, batch=args.batch)
+    r.update(model=model_name(model), model_fingerprint=model_fingerprint(model), text=args.text,
+             text_hash=text_hash(text), text_tokens=len(ids), bos=bool(args.bos),
+             environment=environment())
+    print(f"{spec.label()}: ppl {r['ppl']:.4f} (nll {r['nll']:.4f}) over {r['tokens']} target "
+          f"tokens in {r['windows']} windows of {r['window']}")
+    print("  " + memory_line(r))
+    if args.json:
+        write_json(args.json, r)
+        progress.status(f"wrote {args.json}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- the rest
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from million_jax.app.sweep import run_sweep_command
+
+    return run_sweep_command(args)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from million_jax.app.generation import run_generate_command
+
+    return run_generate_command(args)
+
+
+def cmd_passkey(args: argparse.Namespace) -> int:
+    from million_jax.app.passkey import run_passkey_command
+
+    return run_passkey_command(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from million_jax.app.demo import run_demo_command
+
+    return run_demo_command(args)
+

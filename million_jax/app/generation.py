@@ -1,0 +1,128 @@
+"""``million-jax generate``: stream text through a KV cache, then report speed and memory.
+
+Prefill runs the prompt once; then one jitted ``decode_step`` per token, each token
+printed as soon as it is sampled (text is flushed only at complete UTF-8 characters).
+Decode speed excludes the first step, which compiles.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Sequence, TextIO
+
+import jax
+import jax.numpy as jnp
+
+from million_jax.app import progress
+from million_jax.app.caches import CacheSpec
+from million_jax.app.errors import UsageError
+from million_jax.app.loading import model_name, open_model, tokenize
+from million_jax.app.report import human_bytes, write_json
+from models import LoadedModel, decode_step, prefill, sample_logits
+
+CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def chat_prompt(model: LoadedModel, prompt: str) -> str:
+    """The prompt in the ChatML template (SmolLM2-Instruct); UsageError if the model lacks it."""
+    if model.tokenizer.token_to_id("<|im_start|>") is None:
+        raise UsageError("--chat: this model's tokenizer has no <|im_start|> chat tokens")
+    return CHAT_TEMPLATE.format(prompt=prompt)
+
+
+def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheSpec, *,
+                    max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, seed: int = 0, out: TextIO | None = None) -> dict[str, Any]:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, writing text to ``out``.
+
+    Returns a dict: text, tokens, prompt_tokens, new_tokens, stop ("eos" / "max_tokens"),
+    prefill_s, decode_tokens_per_s, cache_bytes (of the filled cache) and the memory
+    accounting of ``CacheSpec.memory`` for this sequence length.
+    """
+    if not prompt_ids:
+        raise UsageError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise UsageError(f"bad sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}")
+    cfg, params = model.config, model.params
+    max_len = len(prompt_ids) + max_new_tokens
+    cache, consts = spec.build(cfg, 1, max_len)
+    key = jax.random.PRNGKey(seed)
+    eos = set(cfg.eos_ids)
+
+    t0 = time.perf_counter()
+    logits, cache = prefill(cfg, params, cache, jnp.asarray([list(prompt_ids)], jnp.int32),
+                            jnp.asarray([len(prompt_ids)], jnp.int32), consts, last_only=True)
+    logits.block_until_ready()
+    prefill_s = time.perf_counter() - t0
+
+    generated: list[int] = []
+    shown = ""
+    step_times: list[float] = []
+    stop = "max_tokens"
+    for i in range(max_new_tokens):
+        key, sub = jax.random.split(key)
+        tok = sample_logits(logits, sub, temperature, top_k, top_p)
+        generated.append(int(tok[0]))
+        text = model.decode(generated, skip_special_tokens=True)
+        if out is not None and not text.endswith("\ufffd") and text.startswith(shown):
+            out.write(text[len(shown):])
+            out.flush()
+            shown = text
+        if generated[-1] in eos:
+            stop = "eos"
+            break
+        if i == max_new_tokens - 1:
+            break
+        t1 = time.perf_counter()
+        logits, cache = decode_step(cfg, params, cache, tok, consts)
+        logits.block_until_ready()
+        step_times.append(time.perf_counter() - t1)
+    text = model.decode(generated, skip_special_tokens=True)
+    if out is not None:
+        out.write(text[len(shown):] + "\n")
+        out.flush()
+    timed = step_times[1:]  # the first step compiles
+    r: dict[str, Any] = {
+        "text": text, "tokens": generated, "prompt_tokens": len(prompt_ids),
+        "new_tokens": len(generated), "stop": stop, "prefill_s": prefill_s,
+        "decode_steps_timed": len(timed),
+        "decode_tokens_per_s": len(timed) / sum(timed) if timed else None,
+        "cache_bytes_filled": int(cache.nbytes()),
+    }
+    r.update(spec.memory(cfg, 1, max_len))
+    r.update(spec.settings())
+    return r
+
+
+def run_generate_command(args: argparse.Namespace) -> int:
+    """``million-jax generate``."""
+    from million_jax.app.commands import cache_spec
+
+    if args.json:
+        from million_jax.app.report import check_out_dir
+
+        check_out_dir(args.json, "--json")
+    model = open_model(args.model)
+    spec = cache_spec(args, model)
+    prompt = chat_prompt(model, args.prompt) if args.chat else args.prompt
+    ids = tokenize(model, prompt)
+    progress.status(f"{model_name(model)}, {spec.label()}, prompt {len(ids)} tokens")
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    r = stream_generate(model, ids, spec, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        seed=args.seed, out=sys.stdout)
+    tps = r["decode_tokens_per_s"]
+    speed = f"{tps:.1f} tokens/s" if tps else "n/a (too few tokens to time)"
+    print(f"[{r['new_tokens']} tokens, stop: {r['stop']}; prefill {r['prompt_tokens']} tokens in "
+          f"{r['prefill_s']:.2f} s; decode {speed} (first step, which compiles, excluded); "
+          f"{spec.label()} cache {human_bytes(r['cache_bytes'])} for {r['cache_shape']['max_len']} "
+          f"positions vs dense {r['dense_cache_dtype']} {human_bytes(r['dense_cache_bytes'])}]")
+    if args.json:
+        r["model"] = model_name(model)
+        r["prompt"] = args.prompt
+        write_json(args.json, r)
+    return 0

@@ -1,0 +1,137 @@
+"""``million-jax passkey``: synthetic passkey retrieval, dense vs a quantized cache.
+
+A prompt of about L tokens: an instruction, filler sentences repeated, the needle
+"The pass key is 12345. Remember it. 12345 is the pass key." at a depth that varies
+over the trials, more filler, and the question "What is the pass key? The pass key
+is". Greedy decoding; a trial succeeds when the first number generated equals the key.
+Prompts are built from separately tokenized pieces, so every prompt has at most L
+tokens (the exact count is reported).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from million_jax.app import progress
+from million_jax.app.caches import CacheSpec
+from million_jax.app.errors import UsageError
+from million_jax.app.loading import model_name, open_model, tokenize
+from million_jax.app.report import check_out_dir, write_json
+from models import LoadedModel, generate
+
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about it.\n")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\nWhat is the pass key? The pass key is"
+ANSWER_TOKENS = 12
+
+
+def passkey_prompt(model: LoadedModel, length: int, key: int, depth: float) -> list[int]:
+    """Token ids of one prompt of at most ``length`` tokens, the needle at ``depth`` in [0, 1]."""
+    intro, filler = tokenize(model, INTRO), tokenize(model, FILLER)
+    needle, question = tokenize(model, NEEDLE.format(key=key)), tokenize(model, QUESTION)
+    budget = length - len(intro) - len(needle) - len(question)
+    reps = budget // len(filler)
+    if reps < 1:
+        raise UsageError(f"--lengths {length} is too short for a passkey prompt "
+                         f"(needs > {length - budget + len(filler)} tokens)")
+    before = int(round(depth * reps))
+    return intro + filler * before + needle + filler * (reps - before) + question
+
+
+def first_number(text: str) -> int | None:
+    """The first run of digits in ``text`` (None if there is none)."""
+    m = re.search(r"\d+", text)
+    return int(m.group()) if m else None
+
+
+def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[int],
+               spec: CacheSpec, batch: int) -> list[dict[str, Any]]:
+    """Greedy answers to every prompt through ``spec``, ``batch`` prompts per generate call."""
+    cfg = model.config
+    out = []
+    for i in range(0, len(prompts), batch):
+        group = list(prompts[i: i + batch])
+        real = len(group)
+        group += [group[-1]] * (batch - real)  # one compiled shape per length
+        width = max(len(p) for p in group)
+        toks = np.zeros((batch, width), np.int32)
+        for j, p in enumerate(group):
+            toks[j, : len(p)] = p
+        cache, consts = spec.build(cfg, batch, width + ANSWER_TOKENS)
+        res = generate(cfg, model.params, cache, jnp.asarray(toks),
+                       jnp.asarray([len(p) for p in group], jnp.int32),
+                       max_new_tokens=ANSWER_TOKENS, cache_consts=consts)
+        for j, seq in enumerate(res.sequences()[:real]):
+            text = model.decode(seq, skip_special_tokens=True)
+            key = keys[i + j]
+            out.append({"key": key, "answer": text, "correct": first_number(text) == key,
+                        "prompt_tokens": len(prompts[i + j])})
+    return out
+
+
+def passkey_eval(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[int], *,
+                 trials: int = 5, seed: int = 0, batch: int = 5) -> dict[str, Any]:
+    """Accuracy per length for each cache spec: {"lengths": [...], "results": {label: [...]}}."""
+    rng = np.random.default_rng(seed)
+    results: dict[str, list[dict[str, Any]]] = {s.label(): [] for s in specs}
+    for length in lengths:
+        keys = [int(k) for k in rng.integers(10000, 100000, size=trials)]
+        depths = [(i + 0.5) / trials for i in range(trials)]
+        prompts = [passkey_prompt(model, length, k, d) for k, d in zip(keys, depths)]
+        for spec in specs:
+            progress.status(f"passkey length {length}: {spec.label()} ({trials} prompts)")
+            rows = run_trials(model, prompts, keys, spec, min(batch, trials))
+            for r, d in zip(rows, depths):
+                r["depth"] = d
+            results[spec.label()].append({
+                "length": length, "accuracy": sum(r["correct"] for r in rows) / len(rows),
+                "trials": rows})
+    return {"lengths": list(lengths), "results": results}
+
+
+def parse_lengths(text: str, max_len: int) -> list[int]:
+    """'1024,2048' -> [1024, 2048], each in [64, max_len]."""
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--lengths must be comma-separated integers, got {text!r}") from None
+    if not lengths:
+        raise UsageError("--lengths is empty")
+    for n in lengths:
+        if not 64 <= n <= max_len:
+            raise UsageError(f"--lengths {n}: must be in [64, {max_len}] (the model's "
+                             "max_position_embeddings)")
+    return lengths
+
+
+def run_passkey_command(args: argparse.Namespace) -> int:
+    """``million-jax passkey``."""
+    from million_jax.app.commands import cache_spec, check_positive
+
+    check_positive(trials=args.trials, batch=args.batch)
+    if args.json:
+        check_out_dir(args.json, "--json")
+    model = open_model(args.model)
+    spec = cache_spec(args, model)
+    lengths = parse_lengths(args.lengths, model.config.max_position_embeddings)
+    specs = [CacheSpec(kind="dense", dtype=args.cache_dtype)]
+    if spec.kind != "dense":
+        specs.append(spec)
+    r = passkey_eval(model, specs, lengths, trials=args.trials, seed=args.seed, batch=args.batch)
+    labels = [s.label() for s in specs]
+    print("| length | " + " | ".join(labels) + " |")
+    print("|---|" + "---|" * len(labels))
+    for i, n in enumerate(lengths):
+        accs = [f"{r['results'][lab][i]['accuracy']:.0%}" for lab in labels]
+        print(f"| {n} | " + " | ".join(accs) + " |")
+    if args.json:
+        r.update(model=model_name(model), trials=args.trials, seed=args.seed,
+                 caches={s.label(): s.settings() for s in specs})
+        write_json(args.json, r)
+    return 0

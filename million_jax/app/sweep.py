@@ -1,0 +1,241 @@
+"""``million-jax sweep``: dense vs PQ vs uniform on one model, as a table, JSON and a plot.
+
+The grid (d = the model's head_dim; M = d / dsub):
+
+    dense                          the reference
+    PQ  dsub=2, 8 bit  (4 b/elem)  shared, layer and layer_head codebooks (granularity)
+    PQ  dsub=1, 4 bit  (4 b/elem)  per-channel 16-level codebooks, layer_head
+    PQ  dsub=2, 6 bit  (3 b/elem)  layer_head
+    PQ  dsub=2, 4 bit  (2 b/elem)  layer_head
+    PQ  dsub=4, 8 bit  (2 b/elem)  layer_head
+    uniform KIVI-style int2, int4 (group min(32, d)), per-token int4
+
+Calibration K/V are collected once from the calibration text and every PQ codebook is
+fitted from the same samples (``max_vectors`` per k-means problem, ``iters`` iterations).
+Results are written after every configuration (``results.json``, ``results.md``) and the
+plot (``ppl_vs_bits.png``) at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from typing import Any
+
+from million_jax.app import progress
+from million_jax.app.caches import CacheSpec
+from million_jax.app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks,
+                                       kmeans_problem_summary, model_fingerprint,
+                                       save_model_codebooks)
+from million_jax.app.corpus import text_hash
+from million_jax.app.errors import UsageError
+from million_jax.app.loading import model_name, open_model, tokenize
+from million_jax.app.perplexity import eval_windows, evaluate
+from million_jax.app.report import environment, human_bytes, write_json
+
+# (dsub, nbits, granularity)
+PQ_GRID: tuple[tuple[int, int, str], ...] = (
+    (2, 8, "shared"), (2, 8, "layer"), (2, 8, "layer_head"),
+    (1, 4, "layer_head"), (2, 6, "layer_head"), (2, 4, "layer_head"), (4, 8, "layer_head"),
+)
+# (mode, bits)
+UNIFORM_GRID: tuple[tuple[str, int], ...] = (("kivi", 2), ("kivi", 4), ("token", 4))
+
+
+@dataclasses.dataclass
+class SweepSettings:
+    """Everything that shapes a sweep (recorded in results.json)."""
+
+    calib: str
+    text: str
+    calib_tokens: int = 16384
+    max_tokens: int = 8192
+    window: int = 512
+    batch: int = 4
+    iters: int = 10
+    max_vectors: int = 8192
+    seed: int = 0
+    protocol: str = "all"
+    recent: int = 128
+    sinks: int = 0
+    cache_dtype: str = "bfloat16"
+    bos: bool = False
+
+
+def _spec(s: SweepSettings, **kw: Any) -> CacheSpec:
+    return CacheSpec(protocol=s.protocol, recent=s.recent, sinks=s.sinks, dtype=s.cache_dtype, **kw)
+
+
+def pq_grid(head_dim: int) -> list[tuple[int, int, str]]:
+    """(M, nbits, granularity) of the PQ grid for this head_dim (entries that do not fit dropped)."""
+    return [(head_dim // ds, nb, g) for ds, nb, g in PQ_GRID if head_dim % ds == 0]
+
+
+def row_of(name: str, r: dict, dense_ppl: float | None) -> dict:
+    """A compact table row from an eval result."""
+    row = {"name": name, "cache": r["cache"], "label": r["cache_label"],
+           "bits_per_elem": r["bits_per_elem"], "storage_bits_per_elem": r["storage_bits_per_elem"],
+           "ppl": r["ppl"], "nll": r["nll"], "tokens": r["tokens"],
+           "cache_bytes": r["cache_bytes"], "dense_cache_bytes": r["dense_cache_bytes"],
+           "codebook_bytes": r["codebook_bytes"], "eval_seconds": r["seconds"]}
+    if dense_ppl:
+        row["ppl_increase_pct"] = 100.0 * (r["ppl"] / dense_ppl - 1.0)
+    return row
+
+
+def markdown_table(rows: list[dict], window: int, dense_dtype: str) -> str:
+    """The results as a markdown table (one row per configuration)."""
+    head = (f"| cache | bits/elem | ppl | vs dense | cache bytes (one {window}-token sequence) "
+            f"| vs {dense_dtype} dense | codebooks |\n|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        delta = "" if r["cache"] == "dense" else f"{r.get('ppl_increase_pct', float('nan')):+.1f}%"
+        ratio = r["dense_cache_bytes"] / max(r["cache_bytes"], 1)
+        vs = f"{ratio:.2f}x smaller" if ratio >= 1 else f"{1 / ratio:.2f}x larger"
+        bits = f"{r['bits_per_elem']:.2f}"
+        if r["storage_bits_per_elem"] != r["bits_per_elem"]:
+            bits += f" ({r['storage_bits_per_elem']:.0f} stored)"
+        books = human_bytes(r["codebook_bytes"]) if r["codebook_bytes"] else "-"
+        lines.append(f"| {r['label']} | {bits} | {r['ppl']:.3f} | {delta} | "
+                     f"{human_bytes(r['cache_bytes'])} | {vs} | {books} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """PNG of perplexity against bits per element (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    styles = {"shared": ("tab:red", "v"), "layer": ("tab:orange", "s"),
+              "layer_head": ("tab:blue", "o"), "uniform": ("tab:green", "^")}
+    seen = set()
+    for r in rows:
+        if r["cache"] == "dense":
+            ax.axhline(r["ppl"], color="k", ls="--", lw=1)
+            ax.annotate(f"{r['label']} ({r['bits_per_elem']:.0f} b/elem): {r['ppl']:.3f}",
+                        (0.99, r["ppl"]), xycoords=("axes fraction", "data"), va="bottom",
+                        ha="right", fontsize=8)
+            continue
+        key = r["granularity"] if r["cache"] == "pq" else "uniform"
+        color, marker = styles[key]
+        legend = {"shared": "PQ, one shared codebook", "layer": "PQ, per-layer codebooks",
+                  "layer_head": "PQ, per-layer-per-head codebooks",
+                  "uniform": "uniform (KIVI-style / per-token)"}[key]
+        ax.scatter(r["bits_per_elem"], r["ppl"], color=color, marker=marker, s=40,
+                   label=None if key in seen else legend, zorder=3)
+        seen.add(key)
+        short = r["label"].replace("uniform ", "").replace(" layer_head", "")
+        ax.annotate(short, (r["bits_per_elem"], r["ppl"]), textcoords="offset points",
+                    xytext=(5, 3), fontsize=7)
+    ax.set_xlabel("bits per K/V element (codes + scales; PQ codebooks excluded)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run_sweep(model: Any, calib_text: str, eval_text: str, s: SweepSettings, out_dir: str,
+              save_codebooks: bool = False) -> dict:
+    """Run the whole grid; returns (and writes) the results dict."""
+    cfg = model.config
+    d = cfg.head_dim
+    eval_ids = tokenize(model, eval_text, bos=s.bos)
+    eval_windows(eval_ids, s.window, s.max_tokens)  # fail early on a too-short text
+    calib_ids = tokenize(model, calib_text)
+    os.makedirs(out_dir, exist_ok=True)
+    results: dict[str, Any] = {
+        "model": model_name(model), "model_fingerprint": model_fingerprint(model),
+        "settings": dataclasses.asdict(s), "calib_text_hash": text_hash(calib_text),
+        "eval_text_hash": text_hash(eval_text), "environment": environment(), "rows": [],
+        "details": []}
+    t_start = time.perf_counter()
+
+    def record(name: str, r: dict, extra: dict | None = None) -> None:
+        dense = results["rows"][0]["ppl"] if results["rows"] else None
+        row = row_of(name, r, dense)
+        row.update(extra or {})
+        results["rows"].append(row)
+        results["details"].append(r)
+        results["total_seconds"] = time.perf_counter() - t_start
+        write_outputs(results, out_dir)
+        progress.status(f"[{len(results['rows'])}] {row['label']}: ppl {row['ppl']:.3f}, "
+                        f"{row['bits_per_elem']:.2f} bits/elem")
+
+    ev = dict(window=s.window, max_tokens=s.max_tokens, batch=s.batch)
+    record("dense", evaluate(model, eval_ids, _spec(s, kind="dense"), **ev))
+    g = min(32, d)
+    for mode, bits in UNIFORM_GRID:
+        spec = _spec(s, kind="uniform", bits=bits, uniform_mode=mode, group_size=g)
+        record(f"uniform-{mode}-int{bits}", evaluate(model, eval_ids, spec, **ev),
+               {"uniform_mode": mode, "bits": bits})
+
+    k, v, used = calibration_kv(model, calib_ids, tokens=s.calib_tokens, window=s.window,
+                                batch=s.batch)
+    results["calib_tokens_used"] = used
+    for M, nbits, gran in pq_grid(d):
+        progress.status("k-means: " + kmeans_problem_summary(k.shape, M, nbits, gran, s.max_vectors))
+        t0 = time.perf_counter()
+        books = fit_model_codebooks(k, v, M=M, nbits=nbits, granularity=gran, seed=s.seed,
+                                    iters=s.iters, max_vectors=s.max_vectors)
+        fit_s = time.perf_counter() - t0
+        path = None
+        if save_codebooks:
+            os.makedirs(os.path.join(out_dir, "codebooks"), exist_ok=True)
+            path = os.path.join(out_dir, "codebooks", f"pq_M{M}_b{nbits}_{gran}.safetensors")
+            meta = codebook_metadata(model, books, calib_text=s.calib, calib_tokens=used,
+                                     calib_text_hash=text_hash(calib_text), seed=s.seed,
+                                     iters=s.iters, max_vectors=s.max_vectors)
+            save_model_codebooks(path, books, meta)
+        spec = _spec(s, kind="pq", codebooks=books, codebooks_path=path)
+        record(f"pq-M{M}-b{nbits}-{gran}", evaluate(model, eval_ids, spec, **ev),
+               {"M": M, "nbits": nbits, "granularity": gran, "fit_seconds": fit_s})
+    title = (f"{results['model']}: perplexity vs KV-cache bits per element\n"
+             f"eval: {s.max_tokens} tokens of {s.text}, window {s.window}, protocol {s.protocol}; "
+             f"codebooks: {used} tokens of {s.calib}")
+    plot(results["rows"], os.path.join(out_dir, "ppl_vs_bits.png"), title)
+    return results
+
+
+def write_outputs(results: dict, out_dir: str) -> None:
+    """results.json and results.md (rewritten after every configuration)."""
+    write_json(os.path.join(out_dir, "results.json"), results, "--out")
+    s = results["settings"]
+    md = markdown_table(results["rows"], s["window"], s["cache_dtype"])
+    with open(os.path.join(out_dir, "results.md"), "w", encoding="utf-8") as f:
+        f.write(f"# Sweep: {results['model']}\n\n")
+        f.write(f"Evaluation: first {s['max_tokens']} tokens of `{s['text']}`, windows of "
+                f"{s['window']}, protocol `{s['protocol']}`. Calibration: "
+                f"{results.get('calib_tokens_used', s['calib_tokens'])} tokens of `{s['calib']}`, "
+                f"k-means {s['iters']} iterations, at most {s['max_vectors']} vectors per "
+                f"problem.\n\n")
+        f.write(md)
+
+
+def run_sweep_command(args: argparse.Namespace) -> int:
+    """``million-jax sweep``."""
+    from million_jax.app.commands import check_positive, load_text
+
+    check_positive(calib_tokens=args.calib_tokens, max_tokens=args.max_tokens, window=args.window,
+                   batch=args.batch, iters=args.iters, max_vectors=args.max_vectors)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out} exists and is not a directory")
+    calib = load_text(args.calib, "--calib")
+    text = load_text(args.text, "--text")
+    model = open_model(args.model)
+    s = SweepSettings(calib=args.calib, text=args.text, calib_tokens=args.calib_tokens,
+                      max_tokens=args.max_tokens, window=args.window, batch=args.batch,
+                      iters=args.iters, max_vectors=args.max_vectors, seed=args.seed,
+                      protocol=args.protocol, recent=args.recent, sinks=args.sinks,
+                      cache_dtype=args.cache_dtype, bos=args.bos)
+    results = run_sweep(model, calib, text, s, args.out, save_codebooks=args.save_codebooks)
+    print(markdown_table(results["rows"], s.window, s.cache_dtype))
+    print(f"wrote {args.out}/results.json, results.md, ppl_vs_bits.png "
+          f"({results['total_seconds'] / 60:.1f} min)")
+    return 0

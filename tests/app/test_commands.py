@@ -1,0 +1,114 @@
+"""`sweep`, `generate`, `passkey` and `demo` end to end on the tiny model; the console entry."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+from million_jax.app.passkey import first_number, passkey_prompt
+from models import generate, init_cache, load_model
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_writes_table_json_and_plot(cli, tiny_dir, tmp_path):
+    out = tmp_path / "sweep"
+    res = cli("sweep", "--model", tiny_dir, "--calib", "builtin:calib", "--text", "builtin:eval",
+              "--out", out, "--calib-tokens", 512, "--max-tokens", 256, "--window", 128,
+              "--iters", 1, "--max-vectors", 512, "--quiet")
+    assert res.rc == 0, res.err
+    r = json.loads((out / "results.json").read_text())
+    rows = {row["name"]: row for row in r["rows"]}
+    assert rows["dense"]["cache"] == "dense" and list(rows)[0] == "dense"
+    pq = [row for row in r["rows"] if row["cache"] == "pq"]
+    assert {row["granularity"] for row in pq if row["bits_per_elem"] == 4.0} == {
+        "shared", "layer", "layer_head"}
+    assert {2.0, 3.0, 4.0} <= {row["bits_per_elem"] for row in pq}
+    assert {"uniform-kivi-int2", "uniform-kivi-int4", "uniform-token-int4"} <= set(rows)
+    for row in r["rows"]:
+        assert np.isfinite(row["ppl"]) and row["tokens"] == 2 * 127
+        assert row["cache"] == "dense" or "ppl_increase_pct" in row
+    assert r["settings"]["max_tokens"] == 256 and r["calib_tokens_used"] == 512
+    md = (out / "results.md").read_text()
+    assert md.count("\n| ") == len(r["rows"]) + 1  # header + one line per row
+    assert "pq M=8 nbits=8 shared" in md and "uniform kivi int2" in md
+    assert (out / "ppl_vs_bits.png").read_bytes()[:8] == PNG_MAGIC
+    assert "results.json" in res.out
+
+
+def test_generate_streams_and_matches_jitted_generate(cli, tiny_dir, tmp_path):
+    out = tmp_path / "gen.json"
+    res = cli("generate", "--model", tiny_dir, "--prompt", "The sky is", "--max-new-tokens", 8,
+              "--json", out, "--quiet")
+    assert res.rc == 0, res.err
+    r = json.loads(out.read_text())
+    assert res.out.startswith("The sky is")
+    assert "tokens/s" in res.out and "cache" in res.out
+    assert r["new_tokens"] == len(r["tokens"]) and 1 <= r["new_tokens"] <= 8
+    assert r["cache_bytes"] > 0 and r["decode_tokens_per_s"] > 0
+    model = load_model(tiny_dir)
+    ids = model.encode("The sky is")
+    ref = generate(model.config, model.params, init_cache(model.config, 1, len(ids) + 8, jnp.float32),
+                   jnp.asarray([ids]), jnp.asarray([len(ids)]), max_new_tokens=8)
+    assert r["tokens"] == ref.sequences()[0][: r["new_tokens"]]
+
+
+def test_generate_with_pq_cache(cli, tiny_dir, codebooks, tmp_path):
+    out = tmp_path / "gen.json"
+    res = cli("generate", "--model", tiny_dir, "--prompt", "Hello", "--max-new-tokens", 4,
+              "--cache", "pq", "--codebooks", codebooks, "--recent", 2, "--json", out, "--quiet")
+    assert res.rc == 0, res.err
+    r = json.loads(out.read_text())
+    assert (r["cache"], r["protocol"], r["recent"]) == ("pq", "realistic", 2)
+    assert r["cache_bytes"] < r["dense_cache_bytes"] * 2
+
+
+def test_passkey_prompt_and_answer_parsing(tiny_dir):
+    model = load_model(tiny_dir)
+    ids = passkey_prompt(model, 480, 48213, 0.5)
+    text = model.decode(ids)
+    assert len(ids) <= 480 and "The pass key is 48213." in text
+    assert text.rstrip().endswith("The pass key is")
+    assert first_number(" 48213. Remember") == 48213 and first_number("none") is None
+
+
+def test_passkey_command(cli, tiny_dir, codebooks, tmp_path):
+    out = tmp_path / "pk.json"
+    res = cli("passkey", "--model", tiny_dir, "--lengths", "400", "--trials", 2, "--cache", "pq",
+              "--codebooks", codebooks, "--json", out, "--quiet")
+    assert res.rc == 0, res.err
+    r = json.loads(out.read_text())
+    assert r["lengths"] == [400] and set(r["results"]) == {"dense bfloat16", "pq M=8 nbits=6 layer_head"} \
+        or set(r["results"]) == {"dense float32", "pq M=8 nbits=6 layer_head"}
+    for runs in r["results"].values():
+        assert len(runs) == 1 and len(runs[0]["trials"]) == 2
+        assert runs[0]["accuracy"] == sum(t["correct"] for t in runs[0]["trials"]) / 2
+    assert "| 400 |" in res.out
+
+
+def test_demo_on_tiny_model(cli, tiny_dir, tmp_path):
+    out = tmp_path / "demo.json"
+    res = cli("demo", "--model", tiny_dir, "--calib-tokens", 512, "--eval-tokens", 256,
+              "--window", 128, "--nbits", 4, "--iters", 2, "--max-vectors", 512,
+              "--new-tokens", 4, "--json", out, "--quiet")
+    assert res.rc == 0, res.err
+    r = json.loads(out.read_text())
+    assert r["dense"]["tokens"] == r["pq"]["tokens"] == 2 * 127
+    assert r["pq"]["bits_per_elem"] == 8 * 4 / 16
+    assert r["memory_long_context"]["cache_bytes"] < r["memory_long_context"]["dense_cache_bytes"]
+    for needle in ("perplexity over", "dense cache", "PQ cache", "memory for one", "prompt:"):
+        assert needle in res.out
+
+
+def test_python_dash_m_entry_point():
+    res = subprocess.run([sys.executable, "-m", "million_jax", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0
+    for cmd in ("calibrate", "eval", "sweep", "generate", "passkey", "demo"):
+        assert cmd in res.stdout
+    bad = subprocess.run([sys.executable, "-m", "million_jax", "eval"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "--model" in bad.stderr

@@ -1,0 +1,59 @@
+"""Both notebooks execute top to bottom on CPU with small settings (MILLION_JAX_SMALL=1)."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
+
+
+def execute(name: str):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    os.environ["MILLION_JAX_SMALL"] = "1"
+    try:
+        client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                         resources={"metadata": {"path": str(NOTEBOOKS)}})
+        client.execute()
+    finally:
+        os.environ.pop("MILLION_JAX_SMALL", None)
+    return nb
+
+
+def outputs(nb) -> str:
+    text = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            text.append(out.get("text", "") or str(out.get("data", {}).get("text/plain", "")))
+    return "\n".join(text)
+
+
+def test_first_cell_installs_only_when_missing():
+    nb = nbformat.read(NOTEBOOKS / "quickstart.ipynb", as_version=4)
+    first = next(c for c in nb.cells if c.cell_type == "code").source
+    assert 'find_spec("million_jax") is None' in first and "pip" in first
+
+
+def test_kernels_notebook_runs():
+    text = outputs(execute("kernels.ipynb"))
+    assert "LUT scores == q . dequant(k)" in text
+    assert "Pallas kernel (interpret)" in text
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_runs():
+    from models import ModelNotInstalledError, smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except ModelNotInstalledError as e:
+        pytest.skip(str(e))
+    nb = execute("quickstart.ipynb")
+    text = outputs(nb)
+    assert "dense" in text and "ppl" in text
+    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+               for c in nb.cells for o in c.get("outputs", []))
