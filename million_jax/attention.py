@@ -27,7 +27,19 @@ import chex
 import jax
 import jax.numpy as jnp
 
-__all__ = ["attention", "causal_mask", "causal_attention", "merge_attention"]
+__all__ = ["attention", "causal_mask", "causal_attention", "merge_attention", "einsum_f32"]
+
+
+def einsum_f32(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum with float32 accumulation and result.
+
+    On accelerators low-precision operands go to the dot unit as they are. XLA's
+    CPU runtime has no BF16 x BF16 -> F32 dot for every shape ("Unsupported
+    element type for DotThunk"), so there the operands are upcast first (exact).
+    """
+    if jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
 def causal_mask(q_positions: jax.Array, kv_lengths: jax.Array, num_keys: int) -> jax.Array:
@@ -68,16 +80,14 @@ def attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
 
     qg = q.reshape(b, t, hkv, g, d)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k,
-                        preferred_element_type=jnp.float32) * scale   # [B, Hkv, G, T, S]
+    scores = einsum_f32("btkgd,bksd->bkgts", qg, k) * scale            # [B, Hkv, G, T, S]
     m4 = mask[:, None, None, :, :]
     scores = jnp.where(m4, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1)                                  # [B, Hkv, G, T]
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     p = jnp.where(m4, jnp.exp(scores - row_max[..., None]), 0.0)
     denom = jnp.sum(p, axis=-1)                                         # [B, Hkv, G, T]
-    o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
+    o = einsum_f32("bkgts,bksd->btkgd", p.astype(v.dtype), v)
     inv = 1.0 / jnp.where(denom > 0, denom, 1.0)                        # [B, Hkv, G, T]
     o = o * jnp.transpose(inv, (0, 3, 1, 2))[..., None]
     out = o.reshape(b, t, h, v.shape[-1]).astype(q.dtype)

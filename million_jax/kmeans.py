@@ -9,8 +9,9 @@ Design choices:
   weights) on a uniform random subsample of at most ``init_sample`` points.
   Seeding on a subsample keeps the sequential K-step init cheap for millions
   of vectors; Lloyd iterations then run on every point.
-- Assignment is chunked (``chunk_size`` points at a time) so memory is
-  O(chunk_size * K + N) whatever N is.
+- Assignment is chunked (``chunk_size`` points at a time, fewer when many
+  problems run at once, see ``DIST_BUDGET``) so memory is
+  O(min(problems * chunk_size * K, DIST_BUDGET) + N) whatever N is.
 - Empty clusters are re-seeded with the points farthest from their current
   centroid (deterministic; it never increases the objective).
 - ``inertia[i]`` is the weighted sum of squared distances of the assignment
@@ -102,6 +103,16 @@ def _sq_dists_t(x: jax.Array, c: jax.Array) -> jax.Array:
     c2 = jnp.sum(c * c, axis=-1)
     d = c2[:, None] - 2.0 * (c @ xt) + x2[None, :]
     return jnp.maximum(d, 0.0)
+
+
+# Upper bound on distance-matrix elements alive at once across a vmapped batch
+# (2**26 float32 = 256 MiB): the per-problem chunk shrinks as the batch grows.
+DIST_BUDGET = 2**26
+
+
+def batched_chunk(chunk_size: int, num_problems: int, k: int) -> int:
+    """Per-problem chunk so that num_problems * k * chunk stays within DIST_BUDGET."""
+    return max(1, min(chunk_size, DIST_BUDGET // max(1, num_problems * k)))
 
 
 def _chunks(x: jax.Array, w: jax.Array, chunk_size: int):
@@ -231,7 +242,8 @@ def _kmeans_batched(key, x, w, *, k, iters, tol, chunk_size, init_sample):
     wf = w.reshape(nb, n)
     keys = jax.random.split(key, nb)
     fit = functools.partial(
-        _kmeans_single, k=k, iters=iters, tol=tol, chunk_size=chunk_size, init_sample=init_sample
+        _kmeans_single, k=k, iters=iters, tol=tol, chunk_size=batched_chunk(chunk_size, nb, k),
+        init_sample=init_sample,
     )
     res = jax.vmap(fit)(keys, xf, wf)
     return jax.tree.map(lambda a: a.reshape(batch_shape + a.shape[1:]), res)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from million_jax.kmeans import assign, kmeans
+from million_jax.kmeans import assign, batched_chunk, kmeans
 
 MIN_NBITS = 1
 MAX_NBITS = 12
@@ -178,7 +178,8 @@ def _encode(centroids: jax.Array, x: jax.Array, chunk_size: int) -> jax.Array:
     n = xs.shape[-2]
     xs = jnp.broadcast_to(xs, lead + xs.shape[-3:]).reshape(-1, n, dsub)
     c = jnp.broadcast_to(centroids, lead + centroids.shape[-3:]).reshape(-1, K, dsub)
-    idx, _ = jax.vmap(lambda a, b: assign(a, b.astype(jnp.float32), chunk_size))(xs, c)
+    chunk = batched_chunk(chunk_size, xs.shape[0], K)
+    idx, _ = jax.vmap(lambda a, b: assign(a, b.astype(jnp.float32), chunk))(xs, c)
     idx = idx.reshape(lead + (M, n))
     return jnp.swapaxes(idx, -1, -2).astype(code_dtype(int(K).bit_length() - 1))
 

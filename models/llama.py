@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.nnx import initializers
 
-from million_jax.attention import causal_attention
+from million_jax.attention import causal_attention, einsum_f32
 from million_jax.cache.base import KVCache
 from million_jax.cache.dense import DenseCache
 from models.config import LlamaConfig
@@ -206,8 +206,8 @@ def _logits(config: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
     """h float[..., D] -> f32[..., V] (final norm + LM head)."""
     h = _rms_norm(h, params["final_norm"], config.rms_norm_eps)
     if config.tie_word_embeddings:
-        return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+        return einsum_f32("...d,vd->...v", h, params["embed"])
+    return einsum_f32("...d,dv->...v", h, params["lm_head"])
 
 
 def _check_tokens(tokens: jax.Array, rank: int) -> None:
