@@ -4,7 +4,9 @@
 #               jax 0.11.2, the GPU machine's versions) if missing, run the test suite,
 #               then the Pallas kernel tests again under 3.12.
 PYTHON ?= python3
-PY312 ?= $(shell command -v python3.12 2>/dev/null || ls /root/.pyenv/versions/3.12*/bin/python3 2>/dev/null | head -n1)
+# A Python 3.12 that really runs (pyenv shims named python3.12 may exist without one).
+PY312 ?= $(shell for c in /root/.pyenv/versions/3.12*/bin/python3 $$(command -v python3.12); do \
+            "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$c"; break; }; done)
 VENV := .venv
 VENV312 := .venv312
 PYTEST_ARGS ?= -n 2 --durations=15

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from million_jax.cache.pq_cache import PQCache, PQCodebooks
 from million_jax.pq import Codebooks, decode, encode
@@ -57,6 +57,7 @@ def _run(cache, books, q_chunks, k_chunks, v_chunks, n_chunks):
     return cache, outs
 
 
+@settings(max_examples=8)
 @given(
     seed=st.integers(0, 10_000),
     d_m=st.sampled_from([(64, 32), (64, 16), (128, 64), (128, 32)]),

@@ -91,7 +91,7 @@ def test_smollm2_greedy_pq_12bit_follows_dense(smol):
     cfg = m.config
     books = calibrate_model(m, calib_ids, M=cfg.head_dim // 2, nbits=12, granularity="shared",
                             key=jax.random.PRNGKey(0), window=256, max_tokens=4096,
-                            max_vectors=16384, iters=4)
+                            max_vectors=12288, iters=3)
     prompt = m.encode("The import statement combines two operations; it searches for the named module,")
     n = 64
     t_max = len(prompt) + n
@@ -111,11 +111,6 @@ def test_smollm2_greedy_pq_12bit_follows_dense(smol):
           f"with dense logit margins {[round(x, 4) for x in margins]}")
     assert len(flips) <= 3
     assert all(x < 0.25 for x in margins), margins
-    # free-running greedy with the PQ cache, for the record
-    pq = _greedy(m, PQCache.for_codebooks(books, cfg.n_layers, 1, cfg.n_kv_heads, t_max, dtype=jnp.float32,
-                                          quantize_all=True, impl="xla"), books, prompt, n)
-    same = next((j for j in range(n) if pq[j] != dense[j]), n)
-    print(f"free-running PQ greedy equals dense for the first {same} tokens")
 
 
 @pytest.mark.slow
