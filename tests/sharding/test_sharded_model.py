@@ -1,0 +1,95 @@
+"""The model and its caches sharded over 8 fake CPU devices match one device.
+
+The checks run in a subprocess (``sharded_checks.py``) because the fake device
+count must be set before jax is imported; this file only asserts on the JSON
+the script writes. One run covers dense and PQ caches on meshes (8, 1),
+(2, 4), (1, 8), plus a UniformCache on (2, 4) and GQA with 4 KV heads on an
+8-way "model" axis.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "sharded_checks.py"
+
+# (kind, mesh, n_kv_heads): the cases sharded_checks.main() runs, in order.
+CASES = [("dense", (8, 1), 8), ("dense", (2, 4), 8), ("dense", (1, 8), 8),
+         ("pq", (8, 1), 8), ("pq", (2, 4), 8), ("pq", (1, 8), 8),
+         ("uniform", (2, 4), 8), ("dense", (1, 8), 4)]
+IDS = [f"{k}-{m[0]}x{m[1]}-kv{h}" for k, m, h in CASES]
+
+pytestmark = pytest.mark.slow
+
+
+def _run_checks(out: Path) -> None:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    # One subprocess per test session, even under pytest-xdist: the workers share the
+    # parent of their base temp dirs, and the first one to take the lock runs the checks.
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent                      # this session's dir, shared by its workers
+    out = root / "sharded_checks.json"
+    with open(root / "sharded_checks.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not out.exists():
+                _run_checks(out)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    res = json.loads(out.read_text())
+    assert res["devices"] == 8
+    got = [(c["kind"], tuple(c["mesh"]), c["n_kv_heads"]) for c in res["cases"]]
+    assert got == CASES
+    return res
+
+
+@pytest.fixture(params=range(len(CASES)), ids=IDS)
+def case(request, results) -> dict:
+    return results["cases"][request.param]
+
+
+def test_same_generated_tokens_as_one_device(case):
+    assert case["tokens_equal"], (case["tokens"], case["ref_tokens"])
+
+
+def test_same_decode_logits_as_one_device(case):
+    # fp32; tensor parallelism reorders the sums of the row-parallel matmuls (all-reduce)
+    tol = 1e-4 * max(1.0, case["logit_scale"])
+    assert max(case["logit_max_abs_diff"]) <= tol, case["logit_max_abs_diff"]
+
+
+def test_same_cache_contents_as_one_device(case):
+    for name, diff in case["cache_diff"].items():
+        if "codes" in name:
+            assert diff <= 1e-3, (name, diff)        # fraction of codes flipped by a near tie
+        elif "lengths" in name:
+            assert diff == 0.0, name
+        else:
+            assert diff <= 1e-4, (name, diff)
+
+
+def test_cache_keeps_its_sharding_and_is_donated(case):
+    assert case["cache_sharding_errors"] == []
+    assert case["donation_warnings"] == []
+
+
+def test_decode_step_moves_no_cache_data(case):
+    """No all-gather / all-to-all / collective-permute of a cache-shaped operand in the HLO."""
+    assert case["cache_collectives"] == [], case["cache_collectives"]
