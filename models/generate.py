@@ -175,7 +175,8 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
     prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
     chex.assert_rank(prompt_tokens, 2)
     chex.assert_shape(prompt_lengths, (prompt_tokens.shape[0],))
-    if not isinstance(prompt_lengths, jax.core.Tracer):
+    # Host-side check when the values are here (not under jit, not spread over other hosts).
+    if not isinstance(prompt_lengths, jax.core.Tracer) and getattr(prompt_lengths, "is_fully_addressable", True):
         lens = np.asarray(prompt_lengths)
         if np.any(lens < 1) or np.any(lens > prompt_tokens.shape[1]):
             raise ValueError(f"prompt_lengths must be in [1, {prompt_tokens.shape[1]}], "
