@@ -32,9 +32,12 @@ none. Caches are immutable pytrees: every method returns a new cache.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 PyTree = Any
 
@@ -69,10 +72,43 @@ class KVCache(abc.ABC):
         Uses ``self.lengths`` (before the append) for positions and masking.
         """
 
-    @abc.abstractmethod
     def advance(self, states: PyTree, n_new: jax.Array) -> "KVCache":
-        """A new cache holding ``states`` with ``lengths + n_new`` (clipped to max_len)."""
+        """A new cache holding ``states`` with ``lengths + n_new`` (clipped to max_len).
 
-    @abc.abstractmethod
+        ``states`` maps field names of the cache dataclass to their new arrays.
+        """
+        lengths = jnp.minimum(self.lengths + n_new.astype(jnp.int32), self.max_len)
+        return dataclasses.replace(self, lengths=lengths, **states)
+
     def nbytes(self) -> int:
-        """Bytes of the per-step cache state (excluding cache_consts)."""
+        """Bytes of the per-step cache state (every array leaf; cache_consts excluded)."""
+        return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(self))
+
+
+class CodesWithWindow(KVCache):
+    """Shape info shared by quantized caches: codes ``k_codes [L, B, Hkv, T_max, ...]``
+    plus exact ``sink_k [L, B, Hkv, S, d]`` and ``ring_k [L, B, Hkv, W, d]``."""
+
+    k_codes: jax.Array
+    sink_k: jax.Array
+    ring_k: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k_codes.shape[3]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k_codes.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.ring_k.shape[-1]
+
+    @property
+    def window(self) -> int:
+        return self.ring_k.shape[3]
+
+    @property
+    def sinks(self) -> int:
+        return self.sink_k.shape[3]

@@ -99,11 +99,3 @@ class DenseCache(KVCache):
         kv_len = jnp.minimum(self.lengths + n_new, t_max)
         out = causal_attention(q, kc, vc, q_positions=pos, kv_lengths=kv_len)
         return out, {"k": kc, "v": vc}
-
-    def advance(self, states: dict[str, jax.Array], n_new: jax.Array) -> "DenseCache":
-        lengths = jnp.minimum(self.lengths + n_new.astype(jnp.int32), self.max_len)
-        return DenseCache(k=states["k"], v=states["v"], lengths=lengths)
-
-    def nbytes(self) -> int:
-        return sum(int(x.size) * jnp.dtype(x.dtype).itemsize
-                   for x in (self.k, self.v, self.lengths))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from million_jax.attention import merge_attention
-from million_jax.cache.base import KVCache
+from million_jax.cache.base import CodesWithWindow
 from million_jax.cache.window import exact_window_attention, write_rows, write_window
 from million_jax.pq import Codebooks, code_dtype, encode
 from million_jax.pq_attention import pq_attention
@@ -126,7 +126,7 @@ def _on_gpu() -> bool:
     meta_fields=["quantize_all", "impl"],
 )
 @dataclasses.dataclass(frozen=True)
-class PQCache(KVCache):
+class PQCache(CodesWithWindow):
     """Product-quantized KV cache (see module docstring)."""
 
     k_codes: jax.Array
@@ -188,25 +188,10 @@ class PQCache(KVCache):
         )
 
     # --- shape info -----------------------------------------------------------------
-    @property
-    def max_len(self) -> int:
-        return self.k_codes.shape[3]
 
-    @property
-    def num_layers(self) -> int:
-        return self.k_codes.shape[0]
 
-    @property
-    def window(self) -> int:
-        return self.ring_k.shape[3]
 
-    @property
-    def sinks(self) -> int:
-        return self.sink_k.shape[3]
 
-    @property
-    def head_dim(self) -> int:
-        return self.ring_k.shape[-1]
 
     # --- protocol -------------------------------------------------------------------
     def layer_slices(self, cache_consts: PQCodebooks | None = None):
@@ -294,9 +279,3 @@ class PQCache(KVCache):
         out, _ = merge_attention(out_c, lse_c, out_e, lse_e)
         return out.astype(q.dtype), new_state
 
-    def advance(self, states, n_new) -> "PQCache":
-        lengths = jnp.minimum(self.lengths + n_new.astype(jnp.int32), self.max_len)
-        return dataclasses.replace(self, lengths=lengths, **states)
-
-    def nbytes(self) -> int:
-        return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(self))

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from million_jax.attention import merge_attention
-from million_jax.cache.base import KVCache
+from million_jax.cache.base import CodesWithWindow
 from million_jax.cache.window import exact_window_attention, write_rows, write_window
 from million_jax.online_softmax import pad_rows, softmax_finish, softmax_init, softmax_step, to_tiles
 from million_jax.uniform_quant import (
@@ -269,7 +269,7 @@ _STATE = _DATA[:-1]
     meta_fields=["bits", "group_size", "mode", "quantize_all", "tile"],
 )
 @dataclasses.dataclass(frozen=True)
-class UniformCache(KVCache):
+class UniformCache(CodesWithWindow):
     """Uniform (KIVI-style / per-token) integer KV cache (see module docstring for shapes).
 
     Per-layer state handed to ``attend`` is a dict of the ``_STATE`` arrays without
@@ -358,25 +358,10 @@ class UniformCache(KVCache):
         )
 
     # --- shape info -----------------------------------------------------------------
-    @property
-    def max_len(self) -> int:
-        return self.k_codes.shape[3]
 
-    @property
-    def num_layers(self) -> int:
-        return self.k_codes.shape[0]
 
-    @property
-    def head_dim(self) -> int:
-        return self.ring_k.shape[-1]
 
-    @property
-    def window(self) -> int:
-        return self.ring_k.shape[3]
 
-    @property
-    def sinks(self) -> int:
-        return self.sink_k.shape[3]
 
     @property
     def dtype(self) -> Any:
@@ -479,13 +464,6 @@ class UniformCache(KVCache):
             out, _ = merge_attention(out, lse, out_e, lse_e)
         return out.astype(q.dtype), new
 
-    def advance(self, states, n_new) -> "UniformCache":
-        lengths = jnp.minimum(self.lengths + n_new.astype(jnp.int32), self.max_len)
-        return dataclasses.replace(self, lengths=lengths, **states)
-
-    def nbytes(self) -> int:
-        """Bytes of every state array: codes, scales, zeros, key staging, sinks, ring, lengths."""
-        return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(self))
 
     # --- inspection -----------------------------------------------------------------
     def dequantize(self) -> tuple[jax.Array, jax.Array]:
