@@ -49,7 +49,7 @@ def _cache_args(p: argparse.ArgumentParser, default_protocol: str) -> None:
                    help="all: every key/value read from the quantized store (MILLION's "
                         "evaluation); realistic: the --recent last tokens and --sinks first "
                         f"tokens kept exact (default: {default_protocol})")
-    g.add_argument("--recent", type=int, help="realistic: exact recent tokens (default 128)")
+    g.add_argument("--recent", type=int, help="realistic: exact recent tokens (default 64)")
     g.add_argument("--sinks", type=int, help="realistic: exact first tokens (default 0)")
     g.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="dtype of the cache's full-precision parts (dense K/V, exact ring, "
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vectors sampled per k-means problem (default 8192)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--protocol", choices=("all", "realistic"), default="all")
-    p.add_argument("--recent", type=int, default=128, help="realistic: exact recent tokens")
+    p.add_argument("--recent", type=int, default=64, help="realistic: exact recent tokens (default 64)")
     p.add_argument("--sinks", type=int, default=0, help="realistic: exact first tokens")
     p.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--bos", action="store_true")

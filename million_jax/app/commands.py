@@ -49,7 +49,7 @@ def cache_spec(args: argparse.Namespace, model: LoadedModel) -> CacheSpec:
         books, _ = load_model_codebooks(args.codebooks, model)
         path = args.codebooks
     return CacheSpec(kind=args.cache, protocol=protocol if quantized else "all",
-                     recent=128 if args.recent is None else args.recent,
+                     recent=64 if args.recent is None else args.recent,
                      sinks=0 if args.sinks is None else args.sinks,
                      dtype=args.cache_dtype, bits=args.bits,
                      group_size=32 if args.group_size is None else args.group_size,

@@ -72,7 +72,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     print(f"  dense cache ({rd['cache_dtype']}):  {rd['ppl']:.3f}")
     print(f"  PQ cache ({pq.label()}):  {rp['ppl']:.3f}  "
           f"({100 * (rp['ppl'] / rd['ppl'] - 1):+.1f}%)")
-    print(f"memory for one {LONG_CONTEXT}-token sequence: dense bf16 "
+    print(f"memory for one {LONG_CONTEXT}-token sequence: dense {mem['dense_cache_dtype']} "
           f"{human_bytes(mem['dense_cache_bytes'])} -> PQ {human_bytes(mem['cache_bytes'])} "
           f"({mem['dense_cache_bytes'] / mem['cache_bytes']:.1f}x smaller, "
           f"{human_bytes(mem['dense_cache_bytes'] - mem['cache_bytes'])} saved); codebooks "
@@ -88,7 +88,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         r = stream_generate(model, ids, spec, max_new_tokens=args.new_tokens, out=buf)
         samples[name] = r
     print(f"\nprompt: {PROMPT}")
-    for name, label in (("dense", "dense cache"), ("pq", f"PQ cache, last 32 tokens exact")):
+    for name, label in (("dense", "dense cache"), ("pq", "PQ cache, last 32 tokens exact")):
         r = samples[name]
         tps = r["decode_tokens_per_s"]
         print(f"--- {label} ({tps:.1f} tokens/s) ---" if tps else f"--- {label} ---")

@@ -57,7 +57,7 @@ class SweepSettings:
     max_vectors: int = 8192
     seed: int = 0
     protocol: str = "all"
-    recent: int = 128
+    recent: int = 64
     sinks: int = 0
     cache_dtype: str = "bfloat16"
     bos: bool = False
@@ -102,43 +102,86 @@ def markdown_table(rows: list[dict], window: int, dense_dtype: str) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def _label_positions(points: list[tuple[float, float]], gap: float = 1.05) -> list[float]:
+    """Text heights for labels at (x, y) points: labels sharing an x are pushed apart (log scale)."""
+    ys = [y for _, y in points]
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    last: dict[float, float] = {}
+    for i in order:
+        x, y = points[i]
+        ys[i] = max(y, last.get(x, 0.0) * gap)
+        last[x] = ys[i]
+    return ys
+
+
 def plot(rows: list[dict], path: str, title: str) -> None:
-    """PNG of perplexity against bits per element (matplotlib, Agg backend)."""
+    """PNG of perplexity (log scale) against bits per element (matplotlib, Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     styles = {"shared": ("tab:red", "v"), "layer": ("tab:orange", "s"),
               "layer_head": ("tab:blue", "o"), "uniform": ("tab:green", "^")}
+    legends = {"shared": "PQ, one shared codebook", "layer": "PQ, per-layer codebooks",
+               "layer_head": "PQ, per-layer-per-head codebooks",
+               "uniform": "uniform (KIVI-style / per-token)"}
+    quant = [r for r in rows if r["cache"] != "dense"]
+    text_y = _label_positions([(r["bits_per_elem"], r["ppl"]) for r in quant])
     seen = set()
+    for r, ty in zip(quant, text_y):
+        key = r["granularity"] if r["cache"] == "pq" else "uniform"
+        color, marker = styles[key]
+        ax.scatter(r["bits_per_elem"], r["ppl"], color=color, marker=marker, s=40,
+                   label=None if key in seen else legends[key], zorder=3)
+        seen.add(key)
+        short = r["label"].replace("uniform ", "").replace(" layer_head", "")
+        ax.annotate(short, (r["bits_per_elem"], r["ppl"]), xytext=(r["bits_per_elem"] + 0.06, ty),
+                    textcoords="data", fontsize=7, va="center",
+                    arrowprops=dict(arrowstyle="-", lw=0.4, color="0.6") if ty != r["ppl"] else None)
     for r in rows:
         if r["cache"] == "dense":
             ax.axhline(r["ppl"], color="k", ls="--", lw=1)
             ax.annotate(f"{r['label']} ({r['bits_per_elem']:.0f} b/elem): {r['ppl']:.3f}",
-                        (0.99, r["ppl"]), xycoords=("axes fraction", "data"), va="bottom",
-                        ha="right", fontsize=8)
-            continue
-        key = r["granularity"] if r["cache"] == "pq" else "uniform"
-        color, marker = styles[key]
-        legend = {"shared": "PQ, one shared codebook", "layer": "PQ, per-layer codebooks",
-                  "layer_head": "PQ, per-layer-per-head codebooks",
-                  "uniform": "uniform (KIVI-style / per-token)"}[key]
-        ax.scatter(r["bits_per_elem"], r["ppl"], color=color, marker=marker, s=40,
-                   label=None if key in seen else legend, zorder=3)
-        seen.add(key)
-        short = r["label"].replace("uniform ", "").replace(" layer_head", "")
-        ax.annotate(short, (r["bits_per_elem"], r["ppl"]), textcoords="offset points",
-                    xytext=(5, 3), fontsize=7)
+                        (0.01, r["ppl"]), xycoords=("axes fraction", "data"), va="top",
+                        fontsize=8)
+    ax.set_yscale("log")
+    ppls = [r["ppl"] for r in rows]
+    nice = [m * 10.0 ** e for e in range(-1, 6) for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8)]
+    ax.set_yticks([t for t in nice if min(ppls) / 1.1 <= t <= max(ppls) * 1.1] or [min(ppls)])
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    xs = [r["bits_per_elem"] for r in quant] or [0.0]
+    ax.set_xlim(min(xs) - 0.3, max(xs) + 0.9)
     ax.set_xlabel("bits per K/V element (codes + scales; PQ codebooks excluded)")
-    ax.set_ylabel("perplexity")
+    ax.set_ylabel("perplexity (log scale)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_title(results: dict) -> str:
+    """The plot title: model, evaluation and calibration settings."""
+    s = results["settings"]
+    used = results.get("calib_tokens_used", s["calib_tokens"])
+    return (f"{results['model']}: perplexity vs KV-cache bits per element\n"
+            f"eval: {s['max_tokens']} tokens of {s['text']}, window {s['window']}, protocol "
+            f"{s['protocol']}; codebooks: {used} tokens of {s['calib']}")
+
+
+def rewrite(out_dir: str) -> None:
+    """Regenerate results.md and ppl_vs_bits.png from an existing results.json."""
+    import json
+
+    with open(os.path.join(out_dir, "results.json"), encoding="utf-8") as f:
+        results = json.load(f)
+    write_outputs(results, out_dir)
+    plot(results["rows"], os.path.join(out_dir, "ppl_vs_bits.png"), plot_title(results))
 
 
 def run_sweep(model: Any, calib_text: str, eval_text: str, s: SweepSettings, out_dir: str,
@@ -196,10 +239,7 @@ def run_sweep(model: Any, calib_text: str, eval_text: str, s: SweepSettings, out
         spec = _spec(s, kind="pq", codebooks=books, codebooks_path=path)
         record(f"pq-M{M}-b{nbits}-{gran}", evaluate(model, eval_ids, spec, **ev),
                {"M": M, "nbits": nbits, "granularity": gran, "fit_seconds": fit_s})
-    title = (f"{results['model']}: perplexity vs KV-cache bits per element\n"
-             f"eval: {s.max_tokens} tokens of {s.text}, window {s.window}, protocol {s.protocol}; "
-             f"codebooks: {used} tokens of {s.calib}")
-    plot(results["rows"], os.path.join(out_dir, "ppl_vs_bits.png"), title)
+    plot(results["rows"], os.path.join(out_dir, "ppl_vs_bits.png"), plot_title(results))
     return results
 
 
