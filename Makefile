@@ -29,7 +29,7 @@ $(VENV312)/.stamp: pyproject.toml constraints-py312.txt
 	touch $@
 
 demo: $(VENV)/.stamp
-	$(VENV)/bin/python benchmarks/kmeans_vs_faiss.py --small
+	$(VENV)/bin/million-jax demo
 
 test: test-main test-kernels-py312
 
