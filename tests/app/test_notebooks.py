@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+import nbclient
+import nbformat
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 
