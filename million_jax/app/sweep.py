@@ -122,7 +122,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120, layout="constrained")
     styles = {"shared": ("tab:red", "v"), "layer": ("tab:orange", "s"),
               "layer_head": ("tab:blue", "o"), "uniform": ("tab:green", "^")}
     legends = {"shared": "PQ, one shared codebook", "layer": "PQ, per-layer codebooks",
@@ -160,7 +160,6 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
