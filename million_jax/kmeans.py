@@ -202,6 +202,8 @@ def _kmeans_single(key, x, w, k, iters, tol, chunk_size, init_sample):
         cents = _kmeans_pp(jax.random.fold_in(kinit, 1), x, w, k)
 
     history = jnp.full((iters,), jnp.nan, jnp.float32)
+    if iters == 0:  # seeding only
+        return KMeansResult(centroids=cents, inertia=history, iterations=jnp.int32(0))
 
     def cond(carry):
         i, _, _, prev, cur = carry

@@ -136,3 +136,13 @@ def test_tolerance_stops_early():
 def test_bad_inputs(x, k, kw, match):
     with pytest.raises(ValueError, match=match):
         kmeans(x, k, key=jax.random.PRNGKey(0), **kw)
+
+
+def test_zero_iterations_returns_the_seeding():
+    x = np.random.default_rng(9).standard_normal((2, 200, 3)).astype(np.float32)
+    res = kmeans(x, 8, key=jax.random.PRNGKey(0), iters=0)
+    assert res.centroids.shape == (2, 8, 3) and res.inertia.shape == (2, 0)
+    assert np.asarray(res.iterations).tolist() == [0, 0]
+    # k-means++ seeds are data points
+    c = np.asarray(res.centroids)
+    assert all(np.isclose(x[b], c[b, j]).all(-1).any() for b in range(2) for j in range(8))
