@@ -30,7 +30,6 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from million_jax.attention import merge_attention
 from million_jax.cache.base import CodesWithWindow

@@ -59,7 +59,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from million_jax.attention import merge_attention
 from million_jax.cache.base import CodesWithWindow
