@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from _results import write_results
 from million_jax.cache import DenseCache, PQCache, PQCodebooks, UniformCache
 from million_jax.pq import Codebooks
 from models import decode_step, init_params, load_model, preset
@@ -104,12 +103,7 @@ def main(argv=None) -> int:
         print(f"{r['context']:8d} {r['cache']:>12} {r['ms_per_step']:9.1f} {r['ratio_to_dense']:8.2f} "
               f"{r['cache_bytes'] / 2**20:9.1f} {r['cache_bytes_ratio']:8.3f}")
     if args.json:
-        env = {"machine": platform.machine(), "cpus": os.cpu_count(), "jax": jax.__version__,
-               "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"),
-               "load_avg_1min": os.getloadavg()[0]}
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=2)
-        print(f"wrote {args.json}")
+        write_results(args.json, rows, load_avg_1min=os.getloadavg()[0])
     return 0
 
 

@@ -13,15 +13,13 @@ every point (``max_points_per_centroid``), so both fit the same data.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 
 import jax
 import numpy as np
 
+from _results import write_results
 from million_jax.pq import encode, decode, fit_codebooks
 
 
@@ -115,16 +113,7 @@ def main(argv=None) -> int:
             f"{r['mse_faiss']:10.5f} {r['mse_ratio']:6.3f} {r['seconds_ours']:8.2f} {r['seconds_faiss']:8.2f} {r['time_ratio']:7.2f}"
         )
     if args.json:
-        env = {
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "jax": jax.__version__,
-            "backend": jax.default_backend(),
-            "date": time.strftime("%Y-%m-%d"),
-        }
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=2)
-        print(f"wrote {args.json}")
+        write_results(args.json, rows)
     return 0
 
 
