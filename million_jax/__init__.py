@@ -3,7 +3,10 @@
 Public API (re-exported here):
   k-means / PQ:   kmeans, fit_codebooks, encode, decode, Codebooks,
                   bits_per_element, save_codebooks, load_codebooks
-  caches:         KVCache (protocol), DenseCache, PQCache (+ PQCodebooks), UniformCache
+  model codebooks PQCodebooks (key + value, laid out per layer)
+  caches:         KVCache / LayerState (protocol), DenseCache, PQCache, UniformCache,
+                  CacheSpec + make_cache (any kind from a model shape)
+  attention:      pq_code_attention (the one kernel-dispatch point)
   calibration:    collect_kv, fit_kv_codebooks
 """
 from million_jax.codebook_io import CodebookFileError, load_codebooks, save_codebooks
@@ -18,18 +21,30 @@ from million_jax.pq import (
     reconstruction_mse,
     storage_bits_per_element,
 )
-from million_jax.cache import DenseCache, KVCache, PQCache, PQCodebooks, UniformCache
+from million_jax.pq_codebooks import GRANULARITIES, PQCodebooks
+from million_jax.cache import (DenseCache, DenseLayer, KVCache, LayerState, PQCache, PQLayer, UniformCache,
+                               UniformLayer)
+from million_jax.cache.spec import CACHE_KINDS, CacheShape, CacheSpec, make_cache
 from million_jax.calibration import collect_kv, fit_kv_codebooks
+from million_jax.kernel_dispatch import pq_code_attention
 
 __all__ = [
+    "CACHE_KINDS",
+    "CacheShape",
+    "CacheSpec",
     "CodebookFileError",
     "Codebooks",
+    "GRANULARITIES",
     "KMeansResult",
     "DenseCache",
+    "DenseLayer",
     "KVCache",
+    "LayerState",
     "PQCache",
     "PQCodebooks",
+    "PQLayer",
     "UniformCache",
+    "UniformLayer",
     "collect_kv",
     "fit_kv_codebooks",
     "bits_per_element",
@@ -39,6 +54,8 @@ __all__ = [
     "fit_codebooks",
     "kmeans",
     "load_codebooks",
+    "make_cache",
+    "pq_code_attention",
     "reconstruction_mse",
     "save_codebooks",
     "storage_bits_per_element",

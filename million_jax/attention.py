@@ -1,9 +1,7 @@
-"""Exact masked attention in pure jnp, with log-sum-exp for merging partials.
+"""Exact masked attention over full-precision keys (the dense cache, the exact window, forward).
 
-Used by the dense cache and by the cache-free full forward, and by any cache
-that splits attention into parts (e.g. a quantized history plus an exact
-recent window): each part returns ``(out, lse)`` and ``merge_attention``
-combines them exactly.
+The softmax / merge math itself lives once in :mod:`pallas_kernels.softmax`; this module
+adds the dense score computation and the causal mask.
 
 Shapes (GQA: ``H`` query heads share ``Hkv`` key/value heads, ``G = H // Hkv``;
 query head ``h`` reads KV head ``h // G``):
@@ -15,9 +13,8 @@ query head ``h`` reads KV head ``h // G``):
     lse:   f32[B, T, H]             log sum_s exp(score), -inf for a query
                                      that sees no key (its out is 0)
 
-Scores, softmax and the P.V accumulation are float32 whatever the input
-dtype; probabilities are cast to v.dtype before the P.V product (as HF
-eager attention does).
+Scores, softmax and the P.V accumulation are float32 whatever the input dtype;
+probabilities are cast to v.dtype before the P.V product (as HF eager attention does).
 """
 from __future__ import annotations
 
@@ -27,19 +24,9 @@ import chex
 import jax
 import jax.numpy as jnp
 
-__all__ = ["attention", "causal_mask", "causal_attention", "merge_attention", "einsum_f32"]
+from pallas_kernels.softmax import einsum_f32, group_heads, softmax_attention, ungroup_heads
 
-
-def einsum_f32(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """einsum with float32 accumulation and result.
-
-    On accelerators low-precision operands go to the dot unit as they are. XLA's
-    CPU runtime has no BF16 x BF16 -> F32 dot for every shape ("Unsupported
-    element type for DotThunk"), so there the operands are upcast first (exact).
-    """
-    if jax.default_backend() == "cpu":
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
+__all__ = ["attention", "causal_mask", "causal_attention", "einsum_f32"]
 
 
 def causal_mask(q_positions: jax.Array, kv_lengths: jax.Array, num_keys: int) -> jax.Array:
@@ -74,28 +61,11 @@ def attention(
     chex.assert_shape(k, (b, hkv, s, d))
     chex.assert_shape(v, (b, hkv, s, v.shape[-1]))
     chex.assert_shape(mask, (b, t, s))
-    if h % hkv:
-        raise ValueError(f"query heads {h} not a multiple of kv heads {hkv}")
-    g = h // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-
-    qg = q.reshape(b, t, hkv, g, d)
-    scores = einsum_f32("btkgd,bksd->bkgts", qg, k) * scale            # [B, Hkv, G, T, S]
-    m4 = mask[:, None, None, :, :]
-    scores = jnp.where(m4, scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1)                                  # [B, Hkv, G, T]
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.where(m4, jnp.exp(scores - row_max[..., None]), 0.0)
-    denom = jnp.sum(p, axis=-1)                                         # [B, Hkv, G, T]
-    o = einsum_f32("bkgts,bksd->btkgd", p.astype(v.dtype), v)
-    inv = 1.0 / jnp.where(denom > 0, denom, 1.0)                        # [B, Hkv, G, T]
-    o = o * jnp.transpose(inv, (0, 3, 1, 2))[..., None]
-    out = o.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
-    if not return_lse:
-        return out
-    lse = row_max + jnp.log(denom)                                      # -inf where denom == 0
-    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)
-    return out, lse
+    scores = einsum_f32("bkgtd,bksd->bkgts", group_heads(q, hkv), k) * scale  # [B, Hkv, G, T, S]
+    out, lse = softmax_attention(scores, mask[:, None, None], v)
+    out = ungroup_heads(out).astype(q.dtype)
+    return (out, ungroup_heads(lse)) if return_lse else out
 
 
 def causal_attention(
@@ -122,23 +92,3 @@ def causal_attention(
         kv_lengths = jnp.full((b,), s, jnp.int32)
     mask = causal_mask(q_positions, kv_lengths, s)
     return attention(q, k, v, mask, scale=scale, return_lse=return_lse)
-
-
-def merge_attention(
-    out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Exact softmax combination of two attention results over disjoint key sets.
-
-    out_*: float[..., d]; lse_*: f32[...]. Returns (out in out_a.dtype, lse).
-    Parts with ``lse = -inf`` (no keys) contribute nothing.
-    """
-    chex.assert_equal_shape([out_a, out_b])
-    chex.assert_equal_shape([lse_a, lse_b])
-    m = jnp.maximum(lse_a, lse_b)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    wa = jnp.exp(lse_a - m)
-    wb = jnp.exp(lse_b - m)
-    tot = wa + wb
-    out = (wa[..., None] * out_a.astype(jnp.float32) + wb[..., None] * out_b.astype(jnp.float32))
-    out = out / jnp.where(tot > 0, tot, 1.0)[..., None]
-    return out.astype(out_a.dtype), m + jnp.log(tot)

@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from million_jax.cache.dense import DenseCache
-from million_jax.cache.pq_cache import GRANULARITIES, PQCodebooks
 from million_jax.pq import check_nbits, check_subspaces, fit_codebooks
+from million_jax.pq_codebooks import GRANULARITIES, PQCodebooks
 
 __all__ = ["collect_kv", "fit_kv_codebooks", "DEFAULT_MAX_VECTORS"]
 
@@ -28,8 +28,8 @@ DEFAULT_MAX_VECTORS = 65536
 
 def collect_kv(cache: DenseCache) -> tuple[np.ndarray, np.ndarray]:
     """Valid tokens of a filled DenseCache as float32[L, Hkv, N, d] (N = sum of lengths)."""
-    k = np.asarray(cache.k, np.float32)
-    v = np.asarray(cache.v, np.float32)
+    k = np.asarray(cache.layers.k, np.float32)
+    v = np.asarray(cache.layers.v, np.float32)
     lengths = np.asarray(cache.lengths)
     ks = [k[:, b, :, : lengths[b]] for b in range(k.shape[1]) if lengths[b] > 0]
     vs = [v[:, b, :, : lengths[b]] for b in range(v.shape[1]) if lengths[b] > 0]
@@ -73,9 +73,9 @@ def fit_kv_codebooks(
 ) -> PQCodebooks:
     """Fit key and value codebooks from calibration samples.
 
-    keys, values: float[L, Hkv, N, d] (post-RoPE keys). Returns PQCodebooks
-    whose centroids are [M, K, dsub] (shared), [L, M, K, dsub] (layer) or
-    [L, Hkv, M, K, dsub] (layer_head).
+    keys, values: float[L, Hkv, N, d] (post-RoPE keys). Returns PQCodebooks fitted as
+    one codebook per model (shared), layer (layer) or layer and KV head (layer_head),
+    laid out per layer: centroids [L, G, M, K, dsub], G = Hkv or 1.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -104,4 +104,4 @@ def fit_kv_codebooks(
                 f"K=2**{nbits}={need}; use more calibration tokens or fewer bits"
             )
         out.append(fit_codebooks(pooled, M, nbits, key=sub, iters=iters, chunk_size=chunk_size))
-    return PQCodebooks(out[0], out[1], granularity)
+    return PQCodebooks.from_centroids(out[0].centroids, out[1].centroids, granularity, num_layers=keys.shape[0])

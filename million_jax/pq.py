@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from million_jax.kmeans import assign, batched_chunk, kmeans
+from pallas_kernels.pq_math import gather_centroids
 
 MIN_NBITS = 1
 MAX_NBITS = 12
@@ -197,19 +198,6 @@ def encode(codebooks: Codebooks, x: jax.Array, *, chunk_size: int = 16384) -> ja
     return _encode(codebooks.centroids, x, chunk_size)
 
 
-def decode_codes(centroids: jax.Array, codes: jax.Array) -> jax.Array:
-    """Gather centroids for codes. centroids [*G, M, K, dsub], codes [*G', N, M] -> float32[..., N, M*dsub]."""
-    M, K, dsub = centroids.shape[-3:]
-    c = centroids.astype(jnp.float32)
-    lead = jnp.broadcast_shapes(codes.shape[:-2], c.shape[:-3])
-    c = jnp.broadcast_to(c, lead + c.shape[-3:])
-    cod = jnp.broadcast_to(codes, lead + codes.shape[-2:])
-    idx = jnp.swapaxes(cod.astype(jnp.int32), -1, -2)[..., None]  # [*lead, M, N, 1]
-    sub = jnp.take_along_axis(c, idx, axis=-2)  # [*lead, M, N, dsub]
-    n = codes.shape[-2]
-    return jnp.moveaxis(sub, -3, -2).reshape(lead + (n, M * dsub))
-
-
 def decode(codebooks: Codebooks, codes: jax.Array) -> jax.Array:
     """codes uint[*G', N, M] -> float32[*broadcast(G', G), N, d]."""
     codes = jnp.asarray(codes)
@@ -219,7 +207,7 @@ def decode(codebooks: Codebooks, codes: jax.Array) -> jax.Array:
         )
     if not jnp.issubdtype(codes.dtype, jnp.integer):
         raise ValueError(f"decode: codes must be integers, got {codes.dtype}")
-    return decode_codes(codebooks.centroids, codes)
+    return gather_centroids(codebooks.centroids, codes)
 
 
 def reconstruction_mse(codebooks: Codebooks, x: jax.Array) -> jax.Array:

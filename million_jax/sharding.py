@@ -49,9 +49,11 @@ What moves between devices in a decode step (compiled HLO, tests/sharding):
 one all-reduce of the [B, 1, D] activations after ``wo``, ``w_down`` and the
 vocab-split embedding lookup (tensor parallelism), and small all-gathers of
 the new token's K/V / codes / write indices across "data" (the caches'
-scatter). Never the cache. The PQ cache also all-gathers codebook-sized
+scatter). Never the cache. Decode steps that run the Pallas kernel run it per
+shard under ``shard_map`` (:func:`shard_cache` records the split in a PQ
+cache). The xla PQ path also all-gathers codebook-sized
 operands over "model" every layer and step: the value centroids of the
-layer (``pq_attention._gather_centroids`` indexes heads with an iota; 4 MiB
+layer (``pallas_kernels.pq_math.gather_centroids`` indexes heads with an iota; 4 MiB
 per layer at LLaMA-2-7B shape) and, with more than one sequence per device,
 their per-sequence broadcast in ``pq.encode`` (which flattens [B, Hkv, M]).
 Both go away when those gathers are written with ``jax.vmap`` over batch and
@@ -63,12 +65,16 @@ the host); read results with ``multihost_utils.process_allgather``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from million_jax.cache.pq_cache import PQCache
+from million_jax.kernel_dispatch import KernelMesh
 
 __all__ = [
     "DATA",
@@ -152,7 +158,8 @@ LEAF_AXES: dict[str, LogicalAxes | dict[int, LogicalAxes]] = {
         "k_scale", "k_zero", "k_stage", "v_scale", "v_zero",            # UniformCache
     )},
     "lengths": ("batch",),
-    # --- PQ codebooks, by granularity: layer_head / layer / shared
+    # --- PQ codebooks: PQCodebooks are [L, G, M, K, dsub] (G = Hkv or 1); a bare
+    # Codebooks may also be [L, M, K, dsub] or [M, K, dsub]
     "centroids": {
         5: ("layers", "kv_heads", "subspace", "centroid", "subdim"),
         4: ("layers", "subspace", "centroid", "subdim"),
@@ -331,7 +338,17 @@ def shard_params(params: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Py
 
 
 def shard_cache(cache: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> PyTree:
-    """A DenseCache / PQCache / UniformCache: every array by batch ("data") and KV head ("model")."""
+    """A DenseCache / PQCache / UniformCache: every array by batch ("data") and KV head ("model").
+
+    A PQ cache also records how its codes are split (a ``KernelMesh`` in its layer state),
+    so that decode steps run the Pallas kernel per shard under ``shard_map`` instead of
+    gathering the cache (``million_jax.kernel_dispatch``).
+    """
+    if isinstance(cache, PQCache):
+        codes = cache.layers.k_codes  # [L, B, Hkv, T, M]
+        spec = tuple(logical_to_spec(logical_axes("k_codes", 5), codes.shape, mesh, rules)) + (None,) * 5
+        km = KernelMesh(mesh, batch_axes=_as_tuple(spec[1]), kv_axes=_as_tuple(spec[2]))
+        cache = dataclasses.replace(cache, layers=dataclasses.replace(cache.layers, mesh=km))
     return shard_tree(cache, mesh, rules)
 
 

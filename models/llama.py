@@ -5,7 +5,7 @@ Why plain functions over a parameter pytree, with Flax only for initialisers
 
 * the cache protocol (``million_jax/cache/base.py``) scans the layers with
   ``lax.scan`` over params stacked on a leading ``L`` axis *and* the cache's
-  per-layer state at the same time. A 20-line ``scan`` over dicts says that
+  per-layer state (``cache.layers``) at the same time. A 20-line ``scan`` over dicts says that
   directly; Linen needs ``nn.scan`` with ``variable_axes``/``split_rngs``
   plumbing and NNX needs ``nnx.split``/``merge`` around ``nnx.scan``.
 * ``generate`` threads params and a donated cache through ``jax.jit`` and a
@@ -178,12 +178,12 @@ def _block(config: LlamaConfig, lp: Params, h: jax.Array, cos: jax.Array, sin: j
 
 def _run_layers(config: LlamaConfig, params: Params, h: jax.Array, positions: jax.Array,
                 attend, states: Any, consts: Any) -> tuple[jax.Array, Any]:
-    """lax.scan over the stacked layers; attend(state, const, q, k, v) -> (out, state).
+    """lax.scan over the stacked layers; attend(layer, const, q, k, v) -> (out, layer).
 
-    The stacked cache states ride in the scan carry: layer i is sliced out, handed
-    to the cache and written back with a dynamic update. XLA updates a loop carry
+    The stacked cache layers ride in the scan carry: layer i is sliced out, handed
+    its new tokens and written back with a dynamic update. XLA updates a loop carry
     in place, so a donated cache is never rebuilt as a second stacked copy (which
-    is what returning the states as scan outputs would do).
+    is what returning the layers as scan outputs would do).
     """
     cos, sin = _rope_tables(config, positions)
 
@@ -192,7 +192,7 @@ def _run_layers(config: LlamaConfig, params: Params, h: jax.Array, positions: ja
         i, lp, const = xs
         state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), states)
         h, state = _block(config, lp, h, cos, sin, lambda q, k, v: attend(state, const, q, k, v))
-        if state is not None:
+        if states is not None:
             states = jax.tree.map(lambda a, s: jax.lax.dynamic_update_index_in_dim(a, s, i, 0),
                                   states, state)
         return (h, states), None
@@ -225,7 +225,7 @@ def forward(config: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     h = params["embed"][tokens]
 
-    def attend(state, const, q, k, v):
+    def attend(layer, const, q, k, v):
         return causal_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)), None
 
     h, _ = _run_layers(config, params, h, positions, attend, None, None)
@@ -242,17 +242,16 @@ def _with_cache(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax
     chex.assert_shape(n_new, (b,))
     n_new = n_new.astype(jnp.int32)
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    states, consts = cache.layer_slices(cache_consts)
-    for leaf in jax.tree.leaves(states):
-        if leaf.shape[0] != config.n_layers:
-            raise ValueError(f"cache has {leaf.shape[0]} layers, model has {config.n_layers}")
+    consts = cache.layer_consts(cache_consts)
+    if cache.num_layers != config.n_layers:
+        raise ValueError(f"cache has {cache.num_layers} layers, model has {config.n_layers}")
     h = params["embed"][tokens]
 
-    def attend(state, const, q, k, v):
-        return cache.attend(state, const, q, k, v, n_new)
+    def attend(layer, const, q, k, v):
+        return layer.attend(const, q, k, v, cache.lengths, n_new)
 
-    h, states = _run_layers(config, params, h, positions, attend, states, consts)
-    return h, cache.advance(states, n_new)
+    h, layers = _run_layers(config, params, h, positions, attend, cache.layers, consts)
+    return h, cache.advance(layers, n_new)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("last_only",))

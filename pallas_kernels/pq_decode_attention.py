@@ -34,7 +34,7 @@ Kernel design (grid = (B, Hkv, num_splits)):
   * values: value centroids gathered the same way by the value codes and weighted by the
     probabilities with a [block_h, block_t] x [block_t, d] dot;
   * every program writes a partial (out, lse) for its split (empty split: out 0, lse -inf);
-    a second step (plain jnp, `merge.merge_stacked`) combines the splits by log-sum-exp.
+    a second step (plain jnp, `softmax.merge_stacked`) combines the splits by log-sum-exp.
   * precision="bf16" (default): dot operands in bf16 with fp32 accumulation, the same
     arithmetic as a bf16 dense decode; "fp32": exact fp32 dots (slower, for validation).
 
@@ -55,7 +55,8 @@ from jax import lax
 from pallas_kernels._compat import pl, plgpu, triton_compiler_params, triton_dot
 from pallas_kernels._pq_inputs import PQDims, check_pq_inputs, is_power_of_two
 from pallas_kernels.launch import LaunchConfig, default_launch_config
-from pallas_kernels.merge import merge_stacked
+from pallas_kernels.pq_math import build_lut, gather_centroids, lut_scores
+from pallas_kernels.softmax import merge_stacked, softmax_attention
 
 __all__ = [
     "pq_decode_attention",
@@ -268,18 +269,6 @@ def _codebook_spec(cb: jax.Array) -> pl.BlockSpec:
     return pl.BlockSpec((None, m, k, ds), lambda b, h, s: (h, 0, 0, 0))
 
 
-def _per_kv_head(cb: jax.Array, num_kv_heads: int) -> jax.Array:
-    """[G, M, K, dsub] -> [Hkv, M, K, dsub] (broadcast when G = 1)."""
-    return jnp.broadcast_to(cb, (num_kv_heads, *cb.shape[1:]))
-
-
-def _build_lut(q_grouped: jax.Array, k_codebooks: jax.Array, dims: PQDims) -> jax.Array:
-    """LUT[b, g, h, m, j] = q_m . Ck_m[j]: f32[B, Hkv, group, M, K]."""
-    qs = q_grouped.reshape(*q_grouped.shape[:3], dims.num_subspaces, dims.sub_dim)
-    cb = _per_kv_head(k_codebooks.astype(jnp.float32), dims.num_kv_heads)
-    return jnp.einsum("bghms,gmks->bghmk", qs, cb, precision=lax.Precision.HIGHEST)
-
-
 def pq_decode_attention(
     q: jax.Array,
     k_codes: jax.Array,
@@ -353,7 +342,7 @@ def pq_decode_attention(
 
     t_len, n_sub = dims.seq_len, dims.num_subspaces
     if key_path == "lut":
-        key_table = _build_lut(q_grouped, k_codebooks, dims)
+        key_table = build_lut(q_grouped, k_codebooks)
         key_spec = pl.BlockSpec(
             (None, None, group, n_sub, dims.k_centroids), lambda b, h, s: (b, h, 0, 0, 0)
         )
@@ -419,8 +408,10 @@ def pq_decode_attention_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """Pure-jnp fp32 reference of `pq_decode_attention` (any backend, uint8 or uint16 codes).
 
-    LUT[b, g, h, m, j] = q_m . Ck_m[j]; score = scale * sum_m take_along_axis(LUT, codes);
-    values = gather of the value centroids; softmax over start[b] <= t < end[b].
+    Written with the shared math: LUT[b, g, h, m, j] = q_m . Ck_m[j] (`pq_math.build_lut`),
+    score = scale * sum_m LUT[m, code_m] (`pq_math.lut_scores`), values = the value centroids
+    the codes name (`pq_math.gather_centroids`), masked softmax over start[b] <= t < end[b]
+    (`softmax.softmax_attention`).
 
     Args / returns: as `pq_decode_attention` (codes may also be uint16[B, Hkv, T, M]).
     Memory: O(B * H * T * M) for the gathered LUT entries.
@@ -431,30 +422,10 @@ def pq_decode_attention_reference(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
     q_grouped = q.astype(jnp.float32).reshape(batch, hkv, group, head_dim)
-    lut = _build_lut(q_grouped, k_codebooks, dims)  # [B, Hkv, group, M, Kk]
-    kc = k_codes.astype(jnp.int32)[:, :, None, :, :]  # [B, Hkv, 1, T, M]
-    picked = jnp.take_along_axis(
-        lut[:, :, :, None, :, :], kc[..., None], axis=-1, mode="clip"
-    )  # [B, Hkv, group, T, M, 1]
-    scores = scale * jnp.sum(picked[..., 0], axis=-1)  # [B, Hkv, group, T]
-
+    lut = build_lut(q_grouped, k_codebooks)  # [B, Hkv, group, M, Kk]
+    scores = scale * lut_scores(lut, k_codes)  # [B, Hkv, group, T]
     t = jnp.arange(t_len)
     valid = (t[None, :] >= start.astype(jnp.int32)[:, None]) & (t[None, :] < end.astype(jnp.int32)[:, None])
-    valid = valid[:, None, None, :]  # [B, 1, 1, T]
-    scores = jnp.where(valid, scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(valid, jnp.exp(scores - m_safe), 0.0)
-    denom = jnp.sum(p, axis=-1)  # [B, Hkv, group]
-    nonempty = denom > 0
-    denom_safe = jnp.where(nonempty, denom, 1.0)
-    lse = jnp.where(nonempty, m_safe[..., 0] + jnp.log(denom_safe), -jnp.inf)
-
-    cb = _per_kv_head(v_codebooks.astype(jnp.float32), hkv)  # [Hkv, M, Kv, dsub]
-    g_idx = jnp.arange(hkv)[None, :, None, None]
-    m_idx = jnp.arange(dims.num_subspaces)[None, None, None, :]
-    v_hat = cb[g_idx, m_idx, v_codes.astype(jnp.int32)]  # [B, Hkv, T, M, dsub]
-    v_hat = v_hat.reshape(batch, hkv, t_len, head_dim)
-    out = jnp.einsum("bght,bgtd->bghd", p, v_hat, precision=lax.Precision.HIGHEST)
-    out = out / denom_safe[..., None]
+    v_hat = gather_centroids(v_codebooks, v_codes)  # [B, Hkv, T, d]
+    out, lse = softmax_attention(scores[:, :, :, None], valid[:, None, None, None, :], v_hat)
     return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)

@@ -1,7 +1,8 @@
-"""KV caches: one protocol (base.KVCache), several storage kinds."""
-from million_jax.cache.base import KVCache
-from million_jax.cache.dense import DenseCache
-from million_jax.cache.pq_cache import PQCache, PQCodebooks
-from million_jax.cache.uniform_cache import UniformCache
+"""KV caches: one protocol (base.KVCache / base.LayerState), several storage kinds."""
+from million_jax.cache.base import KVCache, LayerState
+from million_jax.cache.dense import DenseCache, DenseLayer
+from million_jax.cache.pq_cache import PQCache, PQLayer
+from million_jax.cache.uniform_cache import UniformCache, UniformLayer
 
-__all__ = ["KVCache", "DenseCache", "PQCache", "PQCodebooks", "UniformCache"]
+__all__ = ["KVCache", "LayerState", "DenseCache", "DenseLayer", "PQCache", "PQLayer",
+           "UniformCache", "UniformLayer"]

@@ -1,33 +1,37 @@
 """The cache protocol every KV-cache kind implements.
 
-The model never branches on the cache type. Per layer it hands the cache the
-RoPE-rotated queries/keys and the values of the new tokens and gets the
-attention output back, together with the updated per-layer cache state.
-Layers run under ``lax.scan``, so a cache exposes its per-layer state as a
-pytree whose leaves carry a leading layer axis ``L``:
+A cache is two things: the per-layer state ``layers`` (a registered dataclass whose array
+leaves carry a leading layer axis ``L``) and ``lengths`` (int32[B], tokens stored per
+sequence, shared by every layer). The model scans over ``cache.layers`` together with its
+stacked params, hands each layer's state the new tokens, and advances the cache once::
 
-    states, consts = cache.layer_slices(cache_consts)      # leaves: [L, ...]
+    consts = cache.layer_consts(cache_consts)        # None, or e.g. PQCodebooks [L, ...]
     def body(h, xs):
-        layer_params, state, const = xs
-        ...                                                  # q, k, v of this layer
-        out, state = cache.attend(state, const, q, k, v, n_new)
+        layer_params, layer, const = xs
+        ...                                          # q, k, v of this layer
+        out, layer = layer.attend(const, q, k, v, cache.lengths, n_new)
         ...
-        return h, state
-    h, states = lax.scan(body, h, (params.layers, states, consts))
-    cache = cache.advance(states, n_new)
+        return h, layer
+    h, layers = lax.scan(body, h, (params["layers"], cache.layers, consts))
+    cache = cache.advance(layers, n_new)
+
+``LayerState.attend(consts, q, k, v, lengths, n_new) -> (out, new_layer_state)`` is pure;
+static settings (window, protocol, implementation) are meta fields of the layer state, so
+they survive slicing, scanning and jit.
 
 Conventions (all caches):
-    q:      float[B, T, H, d]    queries of the T new tokens, RoPE applied
-    k, v:   float[B, T, Hkv, d]  keys (RoPE applied) / values of the new tokens
-    n_new:  int32[B]             rows t < n_new[b] are real tokens, the rest
-                                 padding (ragged prefill); 0 is allowed
-    token t of sequence b sits at position ``lengths[b] + t``; it attends to
-    every stored position <= its own. Writes past ``max_len`` are dropped,
-    never out of bounds; callers check ``lengths`` before writing.
+    q:        float[B, T, H, d]    queries of the T new tokens, RoPE applied
+    k, v:     float[B, T, Hkv, d]  keys (RoPE applied) / values of the new tokens
+    lengths:  int32[B]             tokens stored before this call
+    n_new:    int32[B]             rows t < n_new[b] are real tokens, the rest padding
+                                   (ragged prefill); 0 is allowed
+    token t of sequence b sits at position ``lengths[b] + t``; it attends to every stored
+    position <= its own. Writes past ``max_len`` are dropped, never out of bounds; callers
+    check ``lengths`` before writing.
 
-``cache_consts`` holds arrays that are constant across steps (PQ codebooks)
-and must not be donated with the cache; it is ``None`` for caches that need
-none. Caches are immutable pytrees: every method returns a new cache.
+``cache_consts`` holds arrays that are constant across steps (PQ codebooks) and must not be
+donated with the cache; it is ``None`` for caches that need none. Caches are immutable
+pytrees: every method returns a new cache.
 """
 from __future__ import annotations
 
@@ -41,74 +45,94 @@ import numpy as np
 
 PyTree = Any
 
+__all__ = ["LayerState", "KVCache", "register_cache", "token_rows", "write_rows"]
 
-class KVCache(abc.ABC):
-    """Abstract cache protocol (see module docstring for shapes)."""
 
-    lengths: jax.Array  # int32[B]: tokens stored per sequence
+class LayerState(abc.ABC):
+    """One layer's cache state (arrays [B, Hkv, ...]; [L, B, Hkv, ...] inside a KVCache)."""
 
     @property
     @abc.abstractmethod
     def max_len(self) -> int:
-        """T_max: the number of positions the cache can hold per sequence."""
-
-    @abc.abstractmethod
-    def layer_slices(self, cache_consts: PyTree = None) -> tuple[PyTree, PyTree]:
-        """(states, consts): pytrees with a leading layer axis, scanned over."""
+        """T_max: positions the cache holds per sequence (valid stacked or per layer)."""
 
     @abc.abstractmethod
     def attend(
         self,
-        state: PyTree,
-        const: PyTree,
+        consts: PyTree,
         q: jax.Array,
         k: jax.Array,
         v: jax.Array,
+        lengths: jax.Array,
         n_new: jax.Array,
-    ) -> tuple[jax.Array, PyTree]:
-        """Append the new tokens to one layer's state and attend.
+    ) -> tuple[jax.Array, "LayerState"]:
+        """Append the new tokens to this layer and attend.
 
-        Returns (out: float[B, T, H, d] in q.dtype, new state of this layer).
-        Uses ``self.lengths`` (before the append) for positions and masking.
+        Returns (out float[B, T, H, d] in q.dtype, the new state of this layer).
         """
 
-    def advance(self, states: PyTree, n_new: jax.Array) -> "KVCache":
-        """A new cache holding ``states`` with ``lengths + n_new`` (clipped to max_len).
 
-        ``states`` maps field names of the cache dataclass to their new arrays.
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """A stacked per-layer state plus the shared lengths (see the module docstring)."""
+
+    layers: Any  # a LayerState with leaves [L, ...]
+    lengths: jax.Array  # int32[B]
+
+    @property
+    def max_len(self) -> int:
+        """T_max: the number of positions the cache can hold per sequence."""
+        return self.layers.max_len
+
+    @property
+    def num_layers(self) -> int:
+        return jax.tree.leaves(self.layers)[0].shape[0]
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def layer_consts(self, cache_consts: PyTree = None) -> PyTree:
+        """The constants scanned with ``layers`` (leading L axis), checked against this cache.
+
+        Caches without constants accept only ``None``.
         """
+        if cache_consts is not None:
+            raise ValueError(f"{type(self).__name__} takes no cache_consts (pass None)")
+        return None
+
+    def advance(self, layers: Any, n_new: jax.Array) -> "KVCache":
+        """The cache holding ``layers`` with ``lengths + n_new`` (clipped to max_len)."""
         lengths = jnp.minimum(self.lengths + n_new.astype(jnp.int32), self.max_len)
-        return dataclasses.replace(self, lengths=lengths, **states)
+        return dataclasses.replace(self, layers=layers, lengths=lengths)
 
     def nbytes(self) -> int:
         """Bytes of the per-step cache state (every array leaf; cache_consts excluded)."""
         return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(self))
 
 
-class CodesWithWindow(KVCache):
-    """Shape info shared by quantized caches: codes ``k_codes [L, B, Hkv, T_max, ...]``
-    plus exact ``sink_k [L, B, Hkv, S, d]`` and ``ring_k [L, B, Hkv, W, d]``."""
+def register_cache(cls: type) -> type:
+    """Register a KVCache subclass (fields ``layers``, ``lengths``) as a dataclass pytree."""
+    return jax.tree_util.register_dataclass(cls, data_fields=["layers", "lengths"], meta_fields=[])
 
-    k_codes: jax.Array
-    sink_k: jax.Array
-    ring_k: jax.Array
 
-    @property
-    def max_len(self) -> int:
-        return self.k_codes.shape[3]
+def token_rows(lengths: jax.Array, n_new: jax.Array, t: int, t_max: int) -> tuple[jax.Array, jax.Array]:
+    """Positions and write rows of T new tokens.
 
-    @property
-    def num_layers(self) -> int:
-        return self.k_codes.shape[0]
+    Returns (pos int32[B, T] = lengths + t, rows int32[B, T]): rows is ``pos`` for real tokens
+    that fit (t < n_new[b] and pos < t_max), else ``t_max``, which :func:`write_rows` drops.
+    """
+    steps = jnp.arange(t, dtype=jnp.int32)[None, :]
+    pos = lengths[:, None] + steps
+    rows = jnp.where((steps < n_new[:, None]) & (pos < t_max), pos, t_max)
+    return pos, rows
 
-    @property
-    def head_dim(self) -> int:
-        return self.ring_k.shape[-1]
 
-    @property
-    def window(self) -> int:
-        return self.ring_k.shape[3]
+def write_rows(buf: jax.Array, rows: jax.Array, vals: jax.Array) -> jax.Array:
+    """Scatter vals float[B, T, Hkv, ...] into buf [B, Hkv, N, ...] at rows int[B, T].
 
-    @property
-    def sinks(self) -> int:
-        return self.sink_k.shape[3]
+    Rows outside [0, N) are dropped (use N as the "don't write" index).
+    """
+    b, t = rows.shape
+    bidx = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    return buf.at[bidx, :, rows].set(vals.astype(buf.dtype), mode="drop")

@@ -24,18 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from million_jax.attention import attention
+from million_jax.cache.base import write_rows
 
-__all__ = ["write_window", "exact_window_attention", "write_rows"]
-
-
-def write_rows(buf: jax.Array, rows: jax.Array, vals: jax.Array) -> jax.Array:
-    """Scatter vals float[B, T, Hkv, ...] into buf [B, Hkv, N, ...] at rows int[B, T].
-
-    Rows outside [0, N) are dropped (use N as the "don't write" index).
-    """
-    b, t = rows.shape
-    bidx = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-    return buf.at[bidx, :, rows].set(vals.astype(buf.dtype), mode="drop")
+__all__ = ["write_window", "exact_window_attention"]
 
 
 def write_window(sink_k, sink_v, ring_k, ring_v, k, v, lengths, n_new):

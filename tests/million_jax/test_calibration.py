@@ -3,15 +3,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from million_jax.cache.dense import DenseCache
+from million_jax.cache.dense import DenseCache, DenseLayer
 from million_jax.calibration import collect_kv, fit_kv_codebooks
 
 
 def test_collect_kv_takes_valid_tokens_only():
     rng = np.random.default_rng(0)
     c = DenseCache.create(2, 3, 2, 6, 4, dtype=jnp.float32)
-    k = rng.standard_normal(c.k.shape).astype(np.float32)
-    c = DenseCache(k=jnp.asarray(k), v=jnp.asarray(-k), lengths=jnp.array([2, 0, 5], jnp.int32))
+    k = rng.standard_normal(c.layers.k.shape).astype(np.float32)
+    c = DenseCache(layers=DenseLayer(k=jnp.asarray(k), v=jnp.asarray(-k)), lengths=jnp.array([2, 0, 5], jnp.int32))
     ks, vs = collect_kv(c)
     assert ks.shape == (2, 2, 7, 4)
     np.testing.assert_array_equal(ks[:, :, :2], k[:, 0, :, :2])
@@ -23,13 +23,16 @@ def test_collect_kv_takes_valid_tokens_only():
 
 @pytest.mark.parametrize(
     "granularity, shape",
-    [("shared", (4, 16, 2)), ("layer", (3, 4, 16, 2)), ("layer_head", (3, 2, 4, 16, 2))],
+    [("shared", (4, 16, 2)), ("layer", (3, 4, 16, 2)), ("layer_head", (3, 2, 4, 16, 2))],  # fitted form
 )
 def test_granularity_shapes(granularity, shape):
     rng = np.random.default_rng(1)
     k = rng.standard_normal((3, 2, 100, 8)).astype(np.float32)
     books = fit_kv_codebooks(k, k * 2, M=4, nbits=4, granularity=granularity, key=jax.random.PRNGKey(0), iters=3)
-    assert books.key.centroids.shape == shape and books.value.centroids.shape == shape
+    per_layer = (3, 2 if granularity == "layer_head" else 1, 4, 16, 2)
+    assert books.key.centroids.shape == per_layer and books.value.centroids.shape == per_layer
+    kc, vc = books.compact()
+    assert kc.centroids.shape == shape and vc.centroids.shape == shape
     assert books.granularity == granularity
     books.check(3, 2, 8)
 

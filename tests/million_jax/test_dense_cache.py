@@ -6,15 +6,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cache_layer_step import attend_layer0
 from million_jax import attention as attn_mod
 from million_jax.cache.base import KVCache
 from million_jax.cache.dense import DenseCache
+from pallas_kernels.softmax import merge_partials
 
 # jit once per test instead of dispatching (and compiling) every op eagerly
 attention = jax.jit(attn_mod.attention, static_argnames=("scale", "return_lse"))
 causal_attention = jax.jit(attn_mod.causal_attention, static_argnames=("scale", "return_lse"))
 causal_mask = jax.jit(attn_mod.causal_mask, static_argnums=2)
-merge_attention = jax.jit(attn_mod.merge_attention)
+merge_attention = jax.jit(lambda oa, la, ob, lb: merge_partials([oa, ob], [la, lb]))
 
 
 def _naive(q, k, v, mask):
@@ -90,21 +92,18 @@ def test_causal_attention_bf16_inputs_close_to_fp32():
 def test_create_shapes_protocol_and_nbytes():
     c = DenseCache.create(3, 2, 4, 16, 8, jnp.bfloat16)
     assert isinstance(c, KVCache)
-    assert c.k.shape == c.v.shape == (3, 2, 4, 16, 8) and c.k.dtype == jnp.bfloat16
+    assert c.layers.k.shape == c.layers.v.shape == (3, 2, 4, 16, 8) and c.layers.k.dtype == jnp.bfloat16
     assert c.lengths.dtype == jnp.int32 and c.max_len == 16
     assert c.nbytes() == 2 * 3 * 2 * 4 * 16 * 8 * 2 + 2 * 4
-    states, consts = c.layer_slices()
-    assert consts is None and states["k"].shape[0] == 3
+    assert c.layer_consts(None) is None and c.num_layers == 3
+    with pytest.raises(ValueError, match="cache_consts"):
+        c.layer_consts(object())
     leaves, treedef = jax.tree.flatten(c)
     assert len(leaves) == 3 and isinstance(jax.tree.unflatten(treedef, leaves), DenseCache)
 
 
 def _attend_layer0(cache, q, k, v, n_new):
-    states, consts = cache.layer_slices()
-    st0 = jax.tree.map(lambda x: x[0], states)
-    out, st = cache.attend(st0, None, q, k, v, n_new)
-    new_states = jax.tree.map(lambda full, one: full.at[0].set(one), states, st)
-    return out, cache.advance(new_states, n_new)
+    return attend_layer0(cache, None, q, k, v, n_new)
 
 
 def test_attend_writes_ragged_rows_and_matches_reference():
@@ -113,7 +112,7 @@ def test_attend_writes_ragged_rows_and_matches_reference():
     q, k, v = _rand(10, b, t, h, d), _rand(11, b, t, hkv, d), _rand(12, b, t, hkv, d)
     out, cache = jax.jit(_attend_layer0)(cache, q, k, v, jnp.array([4, 2]))
     np.testing.assert_array_equal(cache.lengths, [4, 2])
-    kk = np.asarray(cache.k[0])                                    # [B, Hkv, T_max, d]
+    kk = np.asarray(cache.layers.k[0])                                    # [B, Hkv, T_max, d]
     np.testing.assert_array_equal(kk[0, :, :4], np.asarray(k[0]).transpose(1, 0, 2))
     np.testing.assert_array_equal(kk[1, :, :2], np.asarray(k[1, :2]).transpose(1, 0, 2))
     assert np.all(kk[1, :, 2:] == 0) and np.all(kk[0, :, 4:] == 0)  # padding never written
@@ -126,7 +125,7 @@ def test_attend_writes_ragged_rows_and_matches_reference():
     q2, k2, v2 = _rand(13, b, 1, h, d), _rand(14, b, 1, hkv, d), _rand(15, b, 1, hkv, d)
     out2, cache = jax.jit(_attend_layer0)(cache, q2, k2, v2, jnp.array([1, 1]))
     np.testing.assert_array_equal(cache.lengths, [5, 3])
-    np.testing.assert_array_equal(np.asarray(cache.k)[0, 1, :, 2], k2[1, 0])
+    np.testing.assert_array_equal(np.asarray(cache.layers.k)[0, 1, :, 2], k2[1, 0])
     kall = np.concatenate([k[1:, :2], k2[1:]], axis=1).transpose(0, 2, 1, 3)
     vall = np.concatenate([v[1:, :2], v2[1:]], axis=1).transpose(0, 2, 1, 3)
     ref2, _ = _naive(q2[1:], kall, vall, np.ones((1, 1, 3), bool))
@@ -143,16 +142,16 @@ def test_writes_past_max_len_are_dropped_not_wrapped():
     out, cache = jax.jit(_attend_layer0)(cache, _rand(17, b, 3, 2, d), second, second,
                                          jnp.array([3]))
     assert int(cache.lengths[0]) == tmax                           # clipped
-    kk = np.asarray(cache.k[0, 0, 0, :, 0])
+    kk = np.asarray(cache.layers.k[0, 0, 0, :, 0])
     np.testing.assert_array_equal(kk, [1, 1, 1, 1, 1, 7])          # slot 0.. untouched
     assert np.all(np.isfinite(out))
 
 
 def test_jit_donation_keeps_cache_usable():
     cache = DenseCache.create(2, 1, 1, 8, 4, jnp.float32)
-    step = jax.jit(lambda c: c.advance(c.layer_slices()[0], jnp.array([1])), donate_argnums=0)
+    step = jax.jit(lambda c: c.advance(c.layers, jnp.array([1])), donate_argnums=0)
     new = step(cache)
-    assert int(new.lengths[0]) == 1 and new.k.shape == (2, 1, 1, 8, 4)
+    assert int(new.lengths[0]) == 1 and new.layers.k.shape == (2, 1, 1, 8, 4)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -7,17 +7,20 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from million_jax.cache.pq_cache import PQCache, PQCodebooks
+from cache_layer_step import attend_layer0
+from million_jax.cache.pq_cache import PQCache
 from million_jax.pq import Codebooks, decode, encode
+from million_jax.pq_codebooks import PQCodebooks
 
 
 def _books(rng, L, hkv, d, M, nbits, granularity):
     groups = {"shared": (), "layer": (L,), "layer_head": (L, hkv)}[granularity]
     shape = groups + (M, 2**nbits, d // M)
-    return PQCodebooks(
-        Codebooks(rng.standard_normal(shape).astype(np.float32)),
-        Codebooks(rng.standard_normal(shape).astype(np.float32)),
+    return PQCodebooks.from_centroids(
+        rng.standard_normal(shape).astype(np.float32),
+        rng.standard_normal(shape).astype(np.float32),
         granularity,
+        num_layers=L,
     )
 
 
@@ -48,11 +51,7 @@ def _run(cache, books, q_chunks, k_chunks, v_chunks, n_chunks):
     """Feed chunks through attend/advance for a 1-layer cache; returns outputs per chunk."""
     outs = []
     for q, k, v, n in zip(q_chunks, k_chunks, v_chunks, n_chunks):
-        states, consts = cache.layer_slices(books)
-        st0 = jax.tree.map(lambda a: a[0], states)
-        c0 = jax.tree.map(lambda a: a[0], consts)
-        out, st1 = cache.attend(st0, c0, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(n))
-        cache = cache.advance(jax.tree.map(lambda a: a[None], st1), jnp.asarray(n))
+        out, cache = attend_layer0(cache, books, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(n))
         outs.append(np.asarray(out))
     return cache, outs
 
@@ -102,7 +101,7 @@ def test_prefill_then_decode_matches_reference(seed, d_m, nbits, hkv_g, S, W, qu
                        [prompt_n, np.ones(2, np.int32), np.ones(2, np.int32)])
     np.testing.assert_array_equal(np.asarray(cache.lengths), np.array(total))
 
-    kcb, vcb = [np.asarray(c[0]) for c in books.per_layer(1)]
+    kcb, vcb = np.asarray(books.key.centroids[0]), np.asarray(books.value.centroids[0])
     kq = np.asarray(decode(Codebooks(kcb), encode(Codebooks(kcb), k_all)))
     vq = np.asarray(decode(Codebooks(vcb), encode(Codebooks(vcb), v_all)))
     ref1 = _reference(q1, k_all, v_all, kq, vq, np.zeros(2), prompt_n, S, W, quantize_all)
@@ -149,16 +148,22 @@ def test_writes_past_max_len_are_dropped():
 def test_mismatched_codebooks_rejected():
     rng = np.random.default_rng(2)
     cache = PQCache.create(2, 1, 2, 8, 16, M=4, nbits=4)
-    with pytest.raises(ValueError, match="group shape"):
-        cache.layer_slices(_books(rng, 3, 2, 16, 4, 4, "layer"))
+    with pytest.raises(ValueError, match="for 3 layers, the model has 2"):
+        cache.layer_consts(_books(rng, 3, 2, 16, 4, 4, "layer"))
     with pytest.raises(ValueError, match="head_dim 32"):
-        cache.layer_slices(_books(rng, 2, 2, 32, 4, 4, "layer"))
+        cache.layer_consts(_books(rng, 2, 2, 32, 4, 4, "layer"))
     with pytest.raises(ValueError, match="do not match the cache"):
-        cache.layer_slices(_books(rng, 2, 2, 16, 8, 4, "layer"))
+        cache.layer_consts(_books(rng, 2, 2, 16, 8, 4, "layer"))
+    with pytest.raises(ValueError, match="head groups"):
+        cache.layer_consts(_books(rng, 2, 3, 16, 4, 4, "layer_head"))
     with pytest.raises(ValueError, match="cache_consts"):
-        cache.layer_slices(None)
+        cache.layer_consts(None)
     with pytest.raises(ValueError, match="granularity"):
-        PQCodebooks(Codebooks(np.zeros((4, 4, 4), np.float32)), Codebooks(np.zeros((4, 4, 4), np.float32)), "head")
+        PQCodebooks.from_centroids(np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 4), np.float32), "head")
+    with pytest.raises(ValueError, match="num_layers"):
+        PQCodebooks.from_centroids(np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 4), np.float32), "shared")
+    with pytest.raises(ValueError, match="group axes"):
+        PQCodebooks.from_centroids(np.zeros((2, 4, 4, 4), np.float32), np.zeros((2, 4, 4, 4), np.float32), "layer_head")
     with pytest.raises(ValueError, match="not divisible"):
         PQCache.create(1, 1, 1, 8, 10, M=4, nbits=4)
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from million_jax.cache import uniform_cache
+from cache_layer_step import attend_layer0
+from million_jax import uniform_attention
 from million_jax.cache.uniform_cache import UniformCache
 from million_jax.uniform_quant import (
     bits_per_element,
@@ -107,9 +108,7 @@ def _ref_stored(k_all, v_all, lengths, cfg):
 # ------------------------------------------------------------------ driving the cache
 def _step_impl(cache, q, k, v, n):
     """One attend + advance on a 1-layer cache."""
-    states, _ = cache.layer_slices(None)
-    out, st1 = cache.attend(jax.tree.map(lambda a: a[0], states), None, q, k, v, n)
-    return out, cache.advance(jax.tree.map(lambda a: a[None], st1), n)
+    return attend_layer0(cache, None, q, k, v, n)
 
 
 # One compile per shape/config. Most tests skip LLVM's optimisation passes, which halves
@@ -216,7 +215,7 @@ def test_chunked_prefill_equals_one_shot(mode, bits, qa, W, S, monkeypatch):
     current-group attention runs its chunked lax.map path here (4 queries per step,
     remainder 3); the reference test covers the single-vmap path.
     """
-    monkeypatch.setattr(uniform_cache, "CURRENT_CHUNK", 4)
+    monkeypatch.setattr(uniform_attention, "CURRENT_CHUNK", 4)
     rng = np.random.default_rng(0)
     hkv, g, d, T, G = 2, 2, 64, 11, 4
     q, k, v = _data(rng, 1, T, hkv, g, d, jnp.bfloat16)
@@ -286,7 +285,7 @@ def test_bits_per_element_and_nbytes():
     L, B, H, T, d, G, S, W = 2, 3, 2, 100, 128, 32, 4, 16
     c = UniformCache.create(L, B, H, T, d, bits=4, group_size=G, window=W, sinks=S)
     assert c.bits_per_element == (5.0, 5.0)
-    assert c.k_codes.shape == (L, B, H, T, d * 4 // 8) and c.k_codes.dtype == jnp.uint8
+    assert c.layers.k_codes.shape == (L, B, H, T, d * 4 // 8) and c.layers.k_codes.dtype == jnp.uint8
     n_groups = -(-T // G)
     per_head = (2 * T * d * 4 // 8          # packed codes, K and V
                 + 2 * n_groups * d * 2      # key scale + zero (bf16) per (token group, channel)
@@ -324,11 +323,11 @@ def test_pytree_roundtrip_and_no_consts():
     leaves, tree = jax.tree.flatten(c)
     assert len(leaves) == 12
     c2 = jax.tree.unflatten(tree, leaves)
-    assert (c2.bits, c2.group_size, c2.mode, c2.window, c2.sinks) == (4, 4, "kivi", 2, 1)
-    states, consts = c.layer_slices(None)
-    assert consts is None and all(x.shape[0] == 2 for x in jax.tree.leaves(states))
+    lay = c2.layers
+    assert (lay.bits, lay.group_size, lay.mode, c2.window, c2.sinks) == (4, 4, "kivi", 2, 1)
+    assert c.layer_consts(None) is None and all(x.shape[0] == 2 for x in jax.tree.leaves(c.layers))
     with pytest.raises(ValueError, match="cache_consts"):
-        c.layer_slices(object())
+        c.layer_consts(object())
 
 
 @pytest.mark.parametrize(
