@@ -25,11 +25,8 @@ shape, so a run cut short still leaves its rows.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
 import functools
-import json
 import math
 import os
 import sys
@@ -43,6 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._gpu_common import copy_bandwidth, gpu_parser, today, warn_if_no_gpu, write_json_md  # noqa: E402
 from pallas_kernels import pq_decode_attention, pq_decode_attention_reference  # noqa: E402
 
 L2_BYTES = 50 * 2**20  # H100 / H200 L2
@@ -100,20 +98,6 @@ def rotating(fn: Callable[[jax.Array, Any], jax.Array], num_copies: int) -> Call
         return jax.lax.switch(i % num_copies, branches, q, copies)
 
     return step
-
-
-def copy_bandwidth(tiny: bool) -> float:
-    """Bytes (read + write) per second of x -> x + 1 over a large uint32 array."""
-    n = (1 << 16) if tiny else (1 << 30)  # 4 GiB on the GPU
-    x = jnp.zeros((n,), jnp.uint32)
-    f = jax.jit(lambda a: a + 1)
-    jax.block_until_ready(f(x))
-    reps = 1 if tiny else 10
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        x = f(x)
-    jax.block_until_ready(x)
-    return 2 * n * 4 * reps / (time.perf_counter() - t0)
 
 
 def _next_q(q: jax.Array, out: jax.Array) -> jax.Array:
@@ -276,10 +260,6 @@ def correctness_checks(args, device) -> list[dict]:
 
 
 def write_results(rows: list[dict], meta: dict, out_dir: str, stamp: str) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"gpu_attention_{stamp}")
-    with open(base + ".json", "w") as f:
-        json.dump(rows, f, indent=1, default=str)
     lines = [f"# PQ decode attention vs bf16 dense ({meta['device']})", "",
              f"jax {meta['jax']}, copy bandwidth {meta['copy_gbps']:.0f} GB/s (read + write), "
              f"M={meta['M']}, nbits={meta['nbits']}, codebooks {meta['codebook_dtype']}, {meta['date']}", ""]
@@ -299,9 +279,7 @@ def write_results(rows: list[dict], meta: dict, out_dir: str, stamp: str) -> str
                      f"{r['seconds'] * 1e6:.1f} | {r['gbps']:.0f} | {r['pct_copy_bw']:.1f} | {sp} |")
     lines += ["", "GB/s counts cache bytes read (PQ: key + value codes; dense: bf16 K + V). "
               "Small caches may partly hit L2 despite rotating copies (see `copies` in the JSON)."]
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return base
+    return write_json_md(out_dir, "gpu_attention", stamp, rows, lines)
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -317,11 +295,7 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="tiny shapes, interpret mode (CPU smoke test)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    p.add_argument("--contexts", type=int, nargs="*", default=None)
-    p.add_argument("--batches", type=int, nargs="*", default=None)
+    p = gpu_parser(__doc__, "tiny shapes, interpret mode (CPU smoke test)")
     p.add_argument("--shapes", nargs="*", default=None, help="subset of shape names")
     for k, typ in KNOB_TYPES.items():
         p.add_argument("--" + k.replace("_", "-"), type=typ, default=None, help=f"default-row {k}")
@@ -335,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     device = jax.devices()[0].device_kind
-    if not args.tiny and jax.devices()[0].platform != "gpu":
-        print(f"warning: no GPU ({device}); timings are not meaningful (use --tiny on CPU)", flush=True)
+    warn_if_no_gpu(args.tiny)
     shapes = TINY_SHAPES if args.tiny else FULL_SHAPES
     if args.shapes:
         shapes = [s for s in shapes if s.name in args.shapes]
@@ -344,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = args.batches or ([1, 2] if args.tiny else [1, 8])
     base_knobs = {k: getattr(args, k) for k in KNOB_TYPES if getattr(args, k) is not None}
     variants = [("pq", base_knobs)] + [parse_variant(v) for v in args.variant]
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d")
+    stamp = today()
 
     copy_bw = copy_bandwidth(args.tiny)
     print(f"device {device}, jax {jax.__version__}, copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)

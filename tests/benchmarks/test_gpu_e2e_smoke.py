@@ -1,15 +1,17 @@
-"""benchmarks/gpu_e2e.py --tiny runs on CPU and writes well-formed rows (in-process, tiny model).
+"""python -m benchmarks.gpu_e2e --tiny runs on CPU and writes well-formed rows (in-process, tiny model).
 
 Covers what the one GPU call relies on: the real (chunked, timed) prefill and the synthetic
 fill, calibration from a prefilled dense cache, the Pallas -> xla fallback (simulated), the
-per-row OOM prediction, the time guard, the k-means timing and both output files.
+per-row OOM prediction, the time guard, the k-means timing and both output files; and that
+the command line itself starts (``--plan`` in a subprocess, from the repository root).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,18 +21,15 @@ import pytest
 pytestmark = pytest.mark.slow
 
 _ROOT = Path(__file__).resolve().parents[2]
-_SCRIPT = _ROOT / "benchmarks" / "gpu_e2e.py"
 REQUIRED = {"kind", "model", "context", "batch", "cache", "status", "ms_per_token", "speedup",
             "peak_bytes", "prefill_seconds", "impl", "device"}
 
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    spec = importlib.util.spec_from_file_location("gpu_e2e_bench", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    if str(_ROOT) not in sys.path:
+        sys.path.insert(0, str(_ROOT))  # the benchmarks package lives at the repository root
+    return importlib.import_module("benchmarks.gpu_e2e.cli")
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
@@ -92,3 +91,11 @@ def test_tiny_predicted_oom_and_time_guard(bench: Any, tmp_path: Path) -> None:
     assert bench.main(["--tiny", "--out", str(out), "--budget-s", "0"]) == 0
     rows = _rows(out)
     assert all(r["status"] == "skipped" for r in rows if r["kind"] in ("decode", "kmeans"))
+
+
+def test_module_command_line_plan() -> None:
+    # The documented entry point, run from the repository root: lists the work, runs nothing.
+    res = subprocess.run([sys.executable, "-m", "benchmarks.gpu_e2e", "--tiny", "--plan"], cwd=_ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "tiny-gqa     B=1 T=    64 prefill" in res.stdout and "k-means 4096 x 16" in res.stdout
