@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from million_jax.app.tiny import write_tiny_checkpoint
-from million_jax.cli import main
+from million_app.tiny import write_tiny_checkpoint
+from million_app.cli import main
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-from million_jax.app.passkey import first_number, passkey_prompt
+from million_app.passkey import first_number, passkey_prompt
 from models import generate, init_cache, load_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -104,11 +104,11 @@ def test_demo_on_tiny_model(cli, tiny_dir, tmp_path):
 
 
 def test_python_dash_m_entry_point():
-    res = subprocess.run([sys.executable, "-m", "million_jax", "--help"], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "million_app", "--help"], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0
     for cmd in ("calibrate", "eval", "sweep", "generate", "passkey", "demo"):
         assert cmd in res.stdout
-    bad = subprocess.run([sys.executable, "-m", "million_jax", "eval"], capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "million_app", "eval"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "--model" in bad.stderr

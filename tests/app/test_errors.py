@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 from conftest import one_error_line
 
-from million_jax.cli import main
+from million_app.cli import main
 
 TEXT = ("--text", "builtin:eval")
 
@@ -66,7 +66,7 @@ def test_codebooks_of_another_model(cli, other_tiny_dir, codebooks):
 
 
 def test_codebooks_of_another_shape(cli, tmp_path, codebooks):
-    from million_jax.app.tiny import write_tiny_checkpoint
+    from million_app.tiny import write_tiny_checkpoint
     from models import preset
 
     deeper = write_tiny_checkpoint(str(tmp_path / "deeper"), config=preset("tiny").replace(n_layers=3))

@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from million_jax.app.calibrate import model_fingerprint
-from million_jax.app.corpus import read_text, text_hash
+from million_app.calibrate import model_fingerprint
+from million_app.corpus import read_text, text_hash
 from million_jax.codebook_io import load_codebooks
 from models import forward, load_model
 

@@ -35,7 +35,7 @@ def outputs(nb) -> str:
 def test_first_cell_installs_only_when_missing():
     nb = nbformat.read(NOTEBOOKS / "quickstart.ipynb", as_version=4)
     first = next(c for c in nb.cells if c.cell_type == "code").source
-    assert 'find_spec("million_jax") is None' in first and "pip" in first
+    assert 'find_spec("million_app") is None' in first and "pip" in first
 
 
 def test_kernels_notebook_runs():

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from million_jax.app.calibrate import calibrate_model
-from million_jax.app.corpus import builtin_split
+from million_app.calibrate import calibrate_model
+from million_app.corpus import builtin_split
 from million_jax.cache import DenseCache, PQCache
 from million_jax.calibration import fit_kv_codebooks
 from models import decode_step, generate, init_cache, init_params, prefill, preset

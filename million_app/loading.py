@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from million_jax.app.errors import UsageError
+from million_app.errors import UsageError
 from models import CheckpointError, ConfigError, LoadedModel, ModelNotInstalledError, load_model
 
 

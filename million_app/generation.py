@@ -14,11 +14,12 @@ from typing import Any, Sequence, TextIO
 import jax
 import jax.numpy as jnp
 
-from million_jax.app import progress
-from million_jax.app.caches import CacheSpec
-from million_jax.app.errors import UsageError
-from million_jax.app.loading import model_name, open_model, tokenize
-from million_jax.app.report import human_bytes, write_json
+from million_app import progress
+from million_app.caches import CacheSpec
+from million_app.errors import UsageError
+from million_app.flags import cache_spec
+from million_app.loading import model_name, open_model, tokenize
+from million_app.report import check_out_dir, human_bytes, write_json
 from models import LoadedModel, decode_step, prefill, sample_logits
 
 CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -99,11 +100,7 @@ def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheSp
 
 def run_generate_command(args: argparse.Namespace) -> int:
     """``million-jax generate``."""
-    from million_jax.app.commands import cache_spec
-
     if args.json:
-        from million_jax.app.report import check_out_dir
-
         check_out_dir(args.json, "--json")
     model = open_model(args.model)
     spec = cache_spec(args, model)

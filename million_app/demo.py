@@ -13,16 +13,16 @@ import argparse
 import io
 import time
 
-from million_jax.app import progress
-from million_jax.app.caches import CacheSpec
-from million_jax.app.calibrate import calibration_kv, fit_model_codebooks, kmeans_problem_summary
-from million_jax.app.commands import check_positive
-from million_jax.app.corpus import read_text
-from million_jax.app.errors import UsageError
-from million_jax.app.generation import chat_prompt, stream_generate
-from million_jax.app.loading import model_name, open_model, tokenize
-from million_jax.app.perplexity import evaluate
-from million_jax.app.report import check_out_dir, human_bytes, write_json
+from million_app import progress
+from million_app.caches import CacheSpec
+from million_app.calibrate import calibration_kv, fit_model_codebooks, kmeans_problem_summary
+from million_app.corpus import read_text
+from million_app.errors import UsageError
+from million_app.flags import check_positive
+from million_app.generation import chat_prompt, stream_generate
+from million_app.loading import model_name, open_model, tokenize
+from million_app.perplexity import evaluate
+from million_app.report import check_out_dir, human_bytes, write_json
 
 PROMPT = "What does the Python statement `yield` do? Answer in two sentences."
 LONG_CONTEXT = 8192  # the sequence length the memory comparison is quoted at

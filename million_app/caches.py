@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from million_jax.app.errors import UsageError
+from million_app.errors import UsageError
 from million_jax.cache.dense import DenseCache
 from million_jax.cache.pq_cache import PQCache, PQCodebooks
 from million_jax.cache.uniform_cache import UniformCache

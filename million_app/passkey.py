@@ -16,11 +16,12 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from million_jax.app import progress
-from million_jax.app.caches import CacheSpec
-from million_jax.app.errors import UsageError
-from million_jax.app.loading import model_name, open_model, tokenize
-from million_jax.app.report import check_out_dir, write_json
+from million_app import progress
+from million_app.caches import CacheSpec
+from million_app.errors import UsageError
+from million_app.flags import cache_spec, check_positive
+from million_app.loading import model_name, open_model, tokenize
+from million_app.report import check_out_dir, write_json
 from models import LoadedModel, generate
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -112,8 +113,6 @@ def parse_lengths(text: str, max_len: int) -> list[int]:
 
 def run_passkey_command(args: argparse.Namespace) -> int:
     """``million-jax passkey``."""
-    from million_jax.app.commands import cache_spec, check_positive
-
     check_positive(trials=args.trials, batch=args.batch)
     if args.json:
         check_out_dir(args.json, "--json")

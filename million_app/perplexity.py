@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from million_jax.app.caches import CacheSpec
-from million_jax.app.calibrate import windows
-from million_jax.app.errors import UsageError
-from million_jax.app.progress import bar
+from million_app.caches import CacheSpec
+from million_app.calibrate import windows
+from million_app.errors import UsageError
+from million_app.progress import bar
 from models import LoadedModel, prefill
 
 

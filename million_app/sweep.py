@@ -23,16 +23,17 @@ import os
 import time
 from typing import Any
 
-from million_jax.app import progress
-from million_jax.app.caches import CacheSpec
-from million_jax.app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks,
-                                       kmeans_problem_summary, model_fingerprint,
-                                       save_model_codebooks)
-from million_jax.app.corpus import text_hash
-from million_jax.app.errors import UsageError
-from million_jax.app.loading import model_name, open_model, tokenize
-from million_jax.app.perplexity import eval_windows, evaluate
-from million_jax.app.report import environment, human_bytes, write_json
+from million_app import progress
+from million_app.caches import CacheSpec
+from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks,
+                                   kmeans_problem_summary, model_fingerprint,
+                                   save_model_codebooks)
+from million_app.corpus import text_hash
+from million_app.errors import UsageError
+from million_app.flags import check_positive, load_text
+from million_app.loading import model_name, open_model, tokenize
+from million_app.perplexity import eval_windows, evaluate
+from million_app.report import environment, human_bytes, write_json
 
 # (dsub, nbits, granularity)
 PQ_GRID: tuple[tuple[int, int, str], ...] = (
@@ -259,8 +260,6 @@ def write_outputs(results: dict, out_dir: str) -> None:
 
 def run_sweep_command(args: argparse.Namespace) -> int:
     """``million-jax sweep``."""
-    from million_jax.app.commands import check_positive, load_text
-
     check_positive(calib_tokens=args.calib_tokens, max_tokens=args.max_tokens, window=args.window,
                    batch=args.batch, iters=args.iters, max_vectors=args.max_vectors)
     if os.path.exists(args.out) and not os.path.isdir(args.out):

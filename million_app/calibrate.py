@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from million_jax.app.errors import UsageError
-from million_jax.app.progress import bar
+from million_app.errors import UsageError
+from million_app.progress import bar
 from million_jax.cache.pq_cache import PQCodebooks
 from million_jax.calibration import DEFAULT_MAX_VECTORS, collect_kv, fit_kv_codebooks
 from million_jax.codebook_io import CodebookFileError, load_codebooks, save_codebooks

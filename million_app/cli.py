@@ -1,4 +1,4 @@
-"""The ``million-jax`` command line (also ``python -m million_jax``).
+"""The ``million-jax`` command line (also ``python -m million_app``).
 
     million-jax calibrate --model MODEL --text FILE --out CODEBOOKS.safetensors
     million-jax eval      --model MODEL --text FILE --cache dense|pq|uniform [...]
@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from million_jax.app.errors import UsageError
+from million_app.errors import UsageError
 
 DESCRIPTION = """MILLION-style product-quantized KV caches for LLaMA models in JAX.
 
@@ -154,12 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
-    from million_jax.app import progress
+    from million_app import progress
 
     try:
         args = build_parser().parse_args(argv)
         progress.set_quiet(getattr(args, "quiet", False))
-        from million_jax.app import commands
+        from million_app import commands
 
         return int(getattr(commands, f"cmd_{args.command}")(args) or 0)
     except UsageError as e:
@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """``python -m million_jax``."""
+    """``python -m million_app``."""
     sys.exit(main())
 
 

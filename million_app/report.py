@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from million_jax.app.errors import UsageError
+from million_app.errors import UsageError
 
 
 def human_bytes(n: float) -> str:

@@ -3,64 +3,16 @@ from __future__ import annotations
 
 import argparse
 
-from million_jax.app import progress
-from million_jax.app.caches import CacheSpec
-from million_jax.app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks,
-                                       kmeans_problem_summary, load_model_codebooks,
-                                       model_fingerprint, save_model_codebooks)
-from million_jax.app.corpus import read_text, text_hash
-from million_jax.app.errors import UsageError
-from million_jax.app.loading import model_name, open_model, tokenize
-from million_jax.app.perplexity import evaluate
-from million_jax.app.report import check_out_dir, environment, human_bytes, memory_line, write_json
-from models import LoadedModel
-
-
-def load_text(spec: str, flag: str) -> str:
-    """read_text with missing/empty files as UsageErrors naming the flag."""
-    try:
-        return read_text(spec)
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError(f"{flag}: {e}") from None
-
-
-def cache_spec(args: argparse.Namespace, model: LoadedModel) -> CacheSpec:
-    """The CacheSpec of the cache flags, refusing contradictory combinations."""
-    protocol = args.protocol or args.default_protocol
-    quantized = args.cache != "dense"
-    if not quantized:
-        given = [f for f, v in (("--protocol", args.protocol), ("--recent", args.recent),
-                                ("--sinks", args.sinks)) if v is not None]
-        if given:
-            raise UsageError(f"{'/'.join(given)} only apply to quantized caches (--cache pq or "
-                             "uniform); a dense cache is exact")
-    if protocol == "all" and (args.recent is not None or args.sinks is not None):
-        raise UsageError("--recent/--sinks keep tokens exact, which only --protocol realistic "
-                         "does (--protocol all quantizes every token)")
-    if args.cache != "uniform" and (args.group_size is not None or args.uniform_mode is not None):
-        raise UsageError("--group-size/--uniform-mode are settings of --cache uniform")
-    if args.uniform_mode == "token" and args.group_size is not None:
-        raise UsageError("--group-size applies to --uniform-mode kivi (token mode has one "
-                         "scale per token)")
-    books, path = None, None
-    if args.codebooks is not None:
-        if args.cache != "pq":
-            raise UsageError(f"--codebooks is only used with --cache pq, not --cache {args.cache}")
-        books, _ = load_model_codebooks(args.codebooks, model)
-        path = args.codebooks
-    return CacheSpec(kind=args.cache, protocol=protocol if quantized else "all",
-                     recent=64 if args.recent is None else args.recent,
-                     sinks=0 if args.sinks is None else args.sinks,
-                     dtype=args.cache_dtype, bits=args.bits,
-                     group_size=32 if args.group_size is None else args.group_size,
-                     uniform_mode=args.uniform_mode or "kivi", codebooks=books, codebooks_path=path)
-
-
-def check_positive(**values: int | None) -> None:
-    """UsageError for the first flag that is set and < 1."""
-    for name, v in values.items():
-        if v is not None and v < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+from million_app import progress
+from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks,
+                                   kmeans_problem_summary, model_fingerprint,
+                                   save_model_codebooks)
+from million_app.corpus import text_hash
+from million_app.errors import UsageError
+from million_app.flags import cache_spec, check_positive, load_text
+from million_app.loading import model_name, open_model, tokenize
+from million_app.perplexity import evaluate
+from million_app.report import check_out_dir, environment, human_bytes, memory_line, write_json
 
 
 # ---------------------------------------------------------------------------- calibrate
@@ -123,25 +75,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- the rest
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from million_jax.app.sweep import run_sweep_command
+    from million_app.sweep import run_sweep_command
 
     return run_sweep_command(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from million_jax.app.generation import run_generate_command
+    from million_app.generation import run_generate_command
 
     return run_generate_command(args)
 
 
 def cmd_passkey(args: argparse.Namespace) -> int:
-    from million_jax.app.passkey import run_passkey_command
+    from million_app.passkey import run_passkey_command
 
     return run_passkey_command(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from million_jax.app.demo import run_demo_command
+    from million_app.demo import run_demo_command
 
     return run_demo_command(args)
 

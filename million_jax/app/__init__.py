@@ -1,1 +1,0 @@
-"""The application layer: what the command line drives (may import ``models``)."""
