@@ -21,7 +21,6 @@ import numpy as np
 
 from _results import write_results
 from million_jax.cache import DenseCache, PQCache, PQCodebooks, UniformCache
-from million_jax.pq import Codebooks
 from models import decode_step, init_params, load_model, preset
 
 
@@ -34,21 +33,18 @@ def _fill(cache, context: int, rng: np.random.Generator):
             return jnp.asarray(rng.integers(0, np.iinfo(a.dtype).max, a.shape, dtype=a.dtype))
         return jnp.asarray(rng.standard_normal(a.shape).astype(np.float32) * 0.1, a.dtype)
 
-    leaves = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)
-              if isinstance(getattr(cache, f.name), jax.Array)}
-    filled = {k: rand(v) for k, v in leaves.items() if k != "lengths"}
-    return dataclasses.replace(cache, lengths=jnp.full_like(cache.lengths, context), **filled)
+    return dataclasses.replace(cache, layers=jax.tree.map(rand, cache.layers),
+                               lengths=jnp.full_like(cache.lengths, context))
 
 
 def make_caches(cfg, dtype, batch: int, t_max: int, rng):
     L, hkv, d = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
     M, nbits = d // 2, 8  # 4 bits/elem
     shape = (L, hkv, M, 2**nbits, d // M)
-    books = PQCodebooks(Codebooks(jnp.asarray(rng.standard_normal(shape), jnp.float32)),
-                        Codebooks(jnp.asarray(rng.standard_normal(shape), jnp.float32)), "layer_head")
+    books = PQCodebooks.from_centroids(rng.standard_normal(shape), rng.standard_normal(shape), "layer_head")
     return {
         "dense": (DenseCache.create(L, batch, hkv, t_max, d, dtype), None),
-        "pq_m%d_b%d" % (M, nbits): (PQCache.for_codebooks(books, L, batch, hkv, t_max, window=64,
+        "pq_m%d_b%d" % (M, nbits): (PQCache.for_codebooks(books, batch, hkv, t_max, window=64,
                                                           dtype=dtype, impl="xla"), books),
         "kivi4": (UniformCache.create(L, batch, hkv, t_max, d, bits=4, group_size=min(32, d), window=64,
                                       dtype=dtype), None),

@@ -1,7 +1,8 @@
-"""Which KV cache to run: one small spec shared by eval, sweep, generate and passkey.
+"""Which KV cache a command runs: one small choice shared by eval, sweep, generate and passkey.
 
-``CacheSpec`` names a cache kind and its settings, builds empty caches for a model
-shape, and does the memory accounting every command reports:
+``CacheChoice`` is the command line's view of a cache (kind, protocol, recent window, labels);
+it builds empty caches through the library's ``million_jax.make_cache`` and does the memory
+accounting every command reports:
 
     bits_per_elem          stored bits per K/V element, every per-token overhead counted:
                            dense: the dtype's bits (16 for bf16, 32 for fp32);
@@ -28,8 +29,9 @@ import jax.numpy as jnp
 
 from million_app.errors import UsageError
 from million_jax.cache.dense import DenseCache
-from million_jax.cache.pq_cache import PQCache, PQCodebooks
+from million_jax.cache.spec import CacheSpec, make_cache
 from million_jax.cache.uniform_cache import UniformCache
+from million_jax.pq_codebooks import PQCodebooks
 from million_jax.pq import bits_per_element as pq_bits_per_element
 from million_jax.pq import storage_bits_per_element as pq_storage_bits
 
@@ -64,7 +66,7 @@ def dense_dtype_runs(dtype_name: str) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class CacheSpec:
+class CacheChoice:
     """A cache kind and its settings (see the module docstring)."""
 
     kind: str = "dense"
@@ -145,26 +147,18 @@ class CacheSpec:
         return out
 
     # ------------------------------------------------------------------ building
+    def library_spec(self) -> CacheSpec:
+        """The library's CacheSpec of this choice (see ``million_jax.make_cache``)."""
+        realistic = self.protocol == "realistic"
+        return CacheSpec(kind=self.kind, dtype=DTYPES[self.effective_dtype], window=self.recent if realistic else 0,
+                         sinks=self.sinks if realistic else 0, quantize_all=self.quantize_all,
+                         codebooks=self.codebooks, impl=self.impl, bits=self.bits, group_size=self.group_size,
+                         uniform_mode=self.uniform_mode)
+
     def build(self, config: Any, batch: int, max_len: int) -> tuple[Any, Any]:
         """(empty cache, cache_consts) for a model config; bad settings are UsageErrors."""
-        L, hkv, d = config.n_layers, config.n_kv_heads, config.head_dim
-        dt = DTYPES[self.effective_dtype]
-        window = self.recent if self.protocol == "realistic" else 0
-        sinks = self.sinks if self.protocol == "realistic" else 0
         try:
-            if self.kind == "dense":
-                return DenseCache.create(L, batch, hkv, max_len, d, dt), None
-            if self.kind == "pq":
-                self.codebooks.check(L, hkv, d)
-                cache = PQCache.for_codebooks(self.codebooks, L, batch, hkv, max_len, window=window,
-                                              sinks=sinks, dtype=dt, quantize_all=self.quantize_all,
-                                              impl=self.impl)
-                return cache, self.codebooks
-            cache = UniformCache.create(L, batch, hkv, max_len, d, bits=self.bits,
-                                        group_size=self.group_size, mode=self.uniform_mode,
-                                        window=window, sinks=sinks, dtype=dt,
-                                        quantize_all=self.quantize_all)
-            return cache, None
+            return make_cache(self.library_spec(), config, batch, max_len)
         except ValueError as e:
             raise UsageError(f"{self.label()}: {e}") from None
 

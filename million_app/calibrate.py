@@ -12,9 +12,9 @@ import numpy as np
 
 from million_app.errors import UsageError
 from million_app.progress import bar
-from million_jax.cache.pq_cache import PQCodebooks
+from million_jax.pq_codebooks import PQCodebooks
 from million_jax.calibration import DEFAULT_MAX_VECTORS, collect_kv, fit_kv_codebooks
-from million_jax.codebook_io import CodebookFileError, load_codebooks, save_codebooks
+from million_jax.codebook_io import CodebookFileError, load_kv_codebooks, save_kv_codebooks
 from models import LoadedModel, init_cache, prefill
 
 
@@ -89,7 +89,7 @@ def save_model_codebooks(path: str, books: PQCodebooks, meta: dict) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise UsageError(f"--out: directory {parent} does not exist")
-    save_codebooks(path, {"key": books.key, "value": books.value}, meta)
+    save_kv_codebooks(path, books, meta)
 
 
 def load_model_codebooks(path: str, model: LoadedModel) -> tuple[PQCodebooks, dict]:
@@ -99,18 +99,14 @@ def load_model_codebooks(path: str, model: LoadedModel) -> tuple[PQCodebooks, di
     expect = {"n_layers": c.n_layers, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
               "model_fingerprint": model_fingerprint(model)}
     try:
-        tensors, meta = load_codebooks(path, expect=expect)
+        books, meta = load_kv_codebooks(path, expect=expect)
     except CodebookFileError as e:
         hint = ""
         if "does not match expected" in str(e):
             hint = (f" (these codebooks were calibrated for {meta_source(path)}; run "
                     "`million-jax calibrate` with this model)")
         raise UsageError(f"{e}{hint}") from None
-    if set(tensors) != {"key", "value"}:
-        raise UsageError(f"{path}: expected 'key' and 'value' codebooks, found {sorted(tensors)}")
-    granularity = meta.get("granularity")
     try:
-        books = PQCodebooks(tensors["key"], tensors["value"], granularity)
         books.check(c.n_layers, c.n_kv_heads, c.head_dim)
     except ValueError as e:
         raise UsageError(f"{path}: {e}") from None

@@ -14,7 +14,7 @@ import io
 import time
 
 from million_app import progress
-from million_app.caches import CacheSpec
+from million_app.caches import CacheChoice
 from million_app.calibrate import calibration_kv, fit_model_codebooks, kmeans_problem_summary
 from million_app.corpus import read_text
 from million_app.errors import UsageError
@@ -61,8 +61,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
     fit_s = time.perf_counter() - t0
     del k, v
 
-    dense = CacheSpec(kind="dense")
-    pq = CacheSpec(kind="pq", codebooks=books, protocol="all")
+    dense = CacheChoice(kind="dense")
+    pq = CacheChoice(kind="pq", codebooks=books, protocol="all")
     ev = dict(window=args.window, max_tokens=args.eval_tokens)
     rd = evaluate(model, eval_ids, dense, **ev)
     rp = evaluate(model, eval_ids, pq, **ev)
@@ -82,7 +82,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     has_chat = model.tokenizer.token_to_id("<|im_start|>") is not None
     prompt = chat_prompt(model, PROMPT) if has_chat else PROMPT
     ids = tokenize(model, prompt)
-    realistic = CacheSpec(kind="pq", codebooks=books, protocol="realistic", recent=32)
+    realistic = CacheChoice(kind="pq", codebooks=books, protocol="realistic", recent=32)
     for name, spec in (("dense", dense), ("pq", realistic)):
         buf = io.StringIO()
         r = stream_generate(model, ids, spec, max_new_tokens=args.new_tokens, out=buf)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from million_app.caches import CacheSpec
+from million_app.caches import CacheChoice
 from million_app.calibrate import load_model_codebooks
 from million_app.corpus import read_text
 from million_app.errors import UsageError
@@ -29,8 +29,8 @@ def check_positive(**values: int | None) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
 
 
-def cache_spec(args: argparse.Namespace, model: LoadedModel) -> CacheSpec:
-    """The CacheSpec of the cache flags, refusing contradictory combinations."""
+def cache_spec(args: argparse.Namespace, model: LoadedModel) -> CacheChoice:
+    """The CacheChoice of the cache flags, refusing contradictory combinations."""
     protocol = args.protocol or args.default_protocol
     quantized = args.cache != "dense"
     if not quantized:
@@ -53,7 +53,7 @@ def cache_spec(args: argparse.Namespace, model: LoadedModel) -> CacheSpec:
             raise UsageError(f"--codebooks is only used with --cache pq, not --cache {args.cache}")
         books, _ = load_model_codebooks(args.codebooks, model)
         path = args.codebooks
-    return CacheSpec(kind=args.cache, protocol=protocol if quantized else "all",
+    return CacheChoice(kind=args.cache, protocol=protocol if quantized else "all",
                      recent=64 if args.recent is None else args.recent,
                      sinks=0 if args.sinks is None else args.sinks,
                      dtype=args.cache_dtype, bits=args.bits,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from million_app import progress
-from million_app.caches import CacheSpec
+from million_app.caches import CacheChoice
 from million_app.errors import UsageError
 from million_app.flags import cache_spec
 from million_app.loading import model_name, open_model, tokenize
@@ -32,14 +32,14 @@ def chat_prompt(model: LoadedModel, prompt: str) -> str:
     return CHAT_TEMPLATE.format(prompt=prompt)
 
 
-def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheSpec, *,
+def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheChoice, *,
                     max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, seed: int = 0, out: TextIO | None = None) -> dict[str, Any]:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, writing text to ``out``.
 
     Returns a dict: text, tokens, prompt_tokens, new_tokens, stop ("eos" / "max_tokens"),
     prefill_s, decode_tokens_per_s, cache_bytes (of the filled cache) and the memory
-    accounting of ``CacheSpec.memory`` for this sequence length.
+    accounting of ``CacheChoice.memory`` for this sequence length.
     """
     if not prompt_ids:
         raise UsageError("the prompt is empty")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from million_app import progress
-from million_app.caches import CacheSpec
+from million_app.caches import CacheChoice
 from million_app.errors import UsageError
 from million_app.flags import cache_spec, check_positive
 from million_app.loading import model_name, open_model, tokenize
@@ -52,7 +52,7 @@ def first_number(text: str) -> int | None:
 
 
 def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[int],
-               spec: CacheSpec, batch: int) -> list[dict[str, Any]]:
+               spec: CacheChoice, batch: int) -> list[dict[str, Any]]:
     """Greedy answers to every prompt through ``spec``, ``batch`` prompts per generate call."""
     cfg = model.config
     out = []
@@ -76,7 +76,7 @@ def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[
     return out
 
 
-def passkey_eval(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[int], *,
+def passkey_eval(model: LoadedModel, specs: Sequence[CacheChoice], lengths: Sequence[int], *,
                  trials: int = 5, seed: int = 0, batch: int = 5) -> dict[str, Any]:
     """Accuracy per length for each cache spec: {"lengths": [...], "results": {label: [...]}}."""
     rng = np.random.default_rng(seed)
@@ -119,7 +119,7 @@ def run_passkey_command(args: argparse.Namespace) -> int:
     model = open_model(args.model)
     spec = cache_spec(args, model)
     lengths = parse_lengths(args.lengths, model.config.max_position_embeddings)
-    specs = [CacheSpec(kind="dense", dtype=args.cache_dtype)]
+    specs = [CacheChoice(kind="dense", dtype=args.cache_dtype)]
     if spec.kind != "dense":
         specs.append(spec)
     r = passkey_eval(model, specs, lengths, trials=args.trials, seed=args.seed, batch=args.batch)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from million_app.caches import CacheSpec
+from million_app.caches import CacheChoice
 from million_app.calibrate import windows
 from million_app.errors import UsageError
 from million_app.progress import bar
@@ -53,12 +53,12 @@ def eval_windows(ids: Sequence[int], window: int, max_tokens: int | None) -> np.
         raise UsageError(str(e)) from None
 
 
-def evaluate(model: LoadedModel, ids: Sequence[int], spec: CacheSpec, *, window: int = 512,
+def evaluate(model: LoadedModel, ids: Sequence[int], spec: CacheChoice, *, window: int = 512,
              max_tokens: int | None = None, batch: int = 4, desc: str | None = None) -> dict:
     """Perplexity of ``model`` over ``ids`` through the cache ``spec`` (module docstring).
 
     Returns a JSON-ready dict: ppl, nll, tokens (targets), windows, window, max_tokens,
-    seconds, tokens_per_s, the memory accounting of ``CacheSpec.memory`` for one window
+    seconds, tokens_per_s, the memory accounting of ``CacheChoice.memory`` for one window
     (batch 1) and the cache settings.
     """
     if batch < 1:

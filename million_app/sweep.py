@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from million_app import progress
-from million_app.caches import CacheSpec
+from million_app.caches import CacheChoice
 from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks,
                                    kmeans_problem_summary, model_fingerprint,
                                    save_model_codebooks)
@@ -64,8 +64,8 @@ class SweepSettings:
     bos: bool = False
 
 
-def _spec(s: SweepSettings, **kw: Any) -> CacheSpec:
-    return CacheSpec(protocol=s.protocol, recent=s.recent, sinks=s.sinks, dtype=s.cache_dtype, **kw)
+def _spec(s: SweepSettings, **kw: Any) -> CacheChoice:
+    return CacheChoice(protocol=s.protocol, recent=s.recent, sinks=s.sinks, dtype=s.cache_dtype, **kw)
 
 
 def pq_grid(head_dim: int) -> list[tuple[int, int, str]]:

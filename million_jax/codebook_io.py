@@ -1,5 +1,8 @@
 """Save and load PQ codebooks: safetensors tensors + JSON metadata (never pickle).
 
+``save_kv_codebooks`` / ``load_kv_codebooks`` do this for a model's ``PQCodebooks`` (key and
+value, in their fitted form, the granularity in the metadata).
+
 File layout: one tensor per named codebook set (e.g. ``"key"`` and ``"value"``),
 each float32[*G, M, K, dsub]; the safetensors header metadata holds one entry
 ``"million_jax"`` with a JSON object: format version, per-tensor M/nbits/dsub
@@ -16,6 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from million_jax.pq import Codebooks
+from million_jax.pq_codebooks import PQCodebooks
 
 FORMAT = "million-jax-codebooks"
 VERSION = 1
@@ -131,3 +135,29 @@ def load_codebooks(
                 f"{path}: metadata {field}={user.get(field)!r} does not match expected {exp!r}"
             )
     return out, user
+
+
+def save_kv_codebooks(path: str | os.PathLike, books: PQCodebooks,
+                      metadata: Mapping[str, Any] | None = None) -> None:
+    """Write a model's key/value codebooks in their fitted form, granularity recorded."""
+    key, value = books.compact()
+    meta = dict(metadata or {})
+    meta.update(granularity=books.granularity, n_layers=books.num_layers)
+    save_codebooks(path, {"key": key, "value": value}, meta)
+
+
+def load_kv_codebooks(path: str | os.PathLike, expect: Mapping[str, Any] | None = None,
+                      ) -> tuple[PQCodebooks, dict[str, Any]]:
+    """Read a file of :func:`save_kv_codebooks` as PQCodebooks laid out per layer.
+
+    ``expect`` as for :func:`load_codebooks`. Raises CodebookFileError on any mismatch.
+    """
+    tensors, meta = load_codebooks(path, expect)
+    if set(tensors) != {"key", "value"}:
+        raise CodebookFileError(f"{os.fspath(path)}: expected 'key' and 'value' codebooks, found {sorted(tensors)}")
+    try:
+        books = PQCodebooks.from_centroids(tensors["key"].centroids, tensors["value"].centroids,
+                                           meta.get("granularity"), num_layers=meta.get("n_layers"))
+    except ValueError as e:
+        raise CodebookFileError(f"{os.fspath(path)}: {e}") from None
+    return books, meta

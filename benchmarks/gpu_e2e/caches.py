@@ -36,7 +36,7 @@ def make_cache(kind: str, config: LlamaConfig, batch: int, t_max: int, dtype: An
     if codebooks is None:
         return PQCache.create(c.n_layers, batch, c.n_kv_heads, t_max, c.head_dim, M=M, nbits=nbits,
                               window=window, sinks=sinks, dtype=dtype, impl=impl)
-    return PQCache.for_codebooks(codebooks, c.n_layers, batch, c.n_kv_heads, t_max,
+    return PQCache.for_codebooks(codebooks, batch, c.n_kv_heads, t_max,
                                  window=window, sinks=sinks, dtype=dtype, impl=impl)
 
 
@@ -50,8 +50,8 @@ def empty_cache_fn(s: Settings, config: LlamaConfig, codebooks: PQCodebooks | No
 
 def dense_prefix(dense: DenseCache, n: int) -> DenseCache:
     """The first sequence's first ``n`` tokens of a dense cache, as a one-sequence dense cache."""
-    return dataclasses.replace(dense, k=dense.k[:, :1, :, :n], v=dense.v[:, :1, :, :n],
-                               lengths=jnp.full((1,), n, jnp.int32))
+    layers = dataclasses.replace(dense.layers, k=dense.layers.k[:, :1, :, :n], v=dense.layers.v[:, :1, :, :n])
+    return dataclasses.replace(dense, layers=layers, lengths=jnp.full((1,), n, jnp.int32))
 
 
 def min_length(cache: Any) -> int:
@@ -92,11 +92,15 @@ def make_synthetic_fn(make_empty: Callable[[], Any], length: int, nbits: int = 8
                 u = (_hash_bits(x.shape, seed) >> 16).astype(jnp.float32) * (4.0 / 65536.0) - 2.0
                 return u.astype(x.dtype)
 
-            return dataclasses.replace(cache, k=vals(cache.k, 1), v=vals(cache.v, 2), lengths=lengths)
+            lay = cache.layers
+            layers = dataclasses.replace(lay, k=vals(lay.k, 1), v=vals(lay.v, 2))
+            return dataclasses.replace(cache, layers=layers, lengths=lengths)
         shift = jnp.uint32(32 - nbits)  # top bits: codes in [0, 2**nbits)
-        k_codes = (_hash_bits(cache.k_codes.shape, 3) >> shift).astype(cache.k_codes.dtype)
-        v_codes = (_hash_bits(cache.v_codes.shape, 4) >> shift).astype(cache.v_codes.dtype)
-        return dataclasses.replace(cache, k_codes=k_codes, v_codes=v_codes, lengths=lengths)
+        lay = cache.layers
+        k_codes = (_hash_bits(lay.k_codes.shape, 3) >> shift).astype(lay.k_codes.dtype)
+        v_codes = (_hash_bits(lay.v_codes.shape, 4) >> shift).astype(lay.v_codes.dtype)
+        layers = dataclasses.replace(lay, k_codes=k_codes, v_codes=v_codes)
+        return dataclasses.replace(cache, layers=layers, lengths=lengths)
 
     return jax.jit(run)
 

@@ -85,7 +85,7 @@ def test_cache_full_stops_without_writing_out_of_bounds(params, greedy_ref):
     full = np.array([list(PROMPTS[0]) + greedy_ref[0][:3]], np.int32)
     _, ref = prefill(CONFIG, params, init_cache(CONFIG, 1, max_len, jnp.float32), full,
                      np.array([8]))
-    np.testing.assert_allclose(res.cache.k[:, 0], ref.k[:, 0], atol=1e-5)
+    np.testing.assert_allclose(res.cache.layers.k[:, 0], ref.layers.k[:, 0], atol=1e-5)
 
 
 def test_prompt_that_does_not_fit_reports_cache_full(params):
@@ -137,6 +137,6 @@ def test_sample_logits_respects_top_k_and_top_p():
 def test_cache_is_donated(params):
     cache = init_cache(CONFIG, 2, 32, jnp.float32)
     res = generate(CONFIG, params, cache, PROMPTS, LENGTHS, max_new_tokens=8, eos_id=())
-    assert res.cache.k.shape == cache.k.shape
+    assert res.cache.layers.k.shape == cache.layers.k.shape
     if jax.default_backend() in ("cpu", "gpu"):
-        assert cache.k.is_deleted()
+        assert cache.layers.k.is_deleted()

@@ -72,8 +72,8 @@ def test_chunked_prefill_equals_one_shot(params):
     second[0, :7], second[1, :5] = toks[0, 5:12], toks[1, 4:9]
     l2, cache = prefill(CONFIG, params, cache, second, np.array([7, 5]))
     np.testing.assert_array_equal(cache.lengths, one.lengths)
-    np.testing.assert_allclose(cache.k[:, 0, :, :12], one.k[:, 0, :, :12], atol=1e-5)
-    np.testing.assert_allclose(cache.v[:, 1, :, :9], one.v[:, 1, :, :9], atol=1e-5)
+    np.testing.assert_allclose(cache.layers.k[:, 0, :, :12], one.layers.k[:, 0, :, :12], atol=1e-5)
+    np.testing.assert_allclose(cache.layers.v[:, 1, :, :9], one.layers.v[:, 1, :, :9], atol=1e-5)
     np.testing.assert_allclose(l1[0, :5], one_logits[0, :5], atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(l2[0, :7], one_logits[0, 5:12], atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(l2[1, :5], one_logits[1, 4:9], atol=2e-5, rtol=1e-5)
@@ -90,7 +90,7 @@ def test_bf16_params_and_cache(params):
     for i in range(6, 10):
         step, cache = decode_step(CONFIG, p16, cache, toks[:, i])
         np.testing.assert_allclose(step, full16[:, i], atol=0.1 * np.abs(full16).max())
-    assert cache.k.dtype == jnp.bfloat16
+    assert cache.layers.k.dtype == jnp.bfloat16
     scale = np.abs(ref32).max()
     assert np.abs(full16 - ref32).max() < 0.1 * scale
 
@@ -101,5 +101,5 @@ def test_decode_inactive_rows_are_frozen(params):
     _, cache = prefill(CONFIG, params, cache, toks, np.array([4, 4]))
     _, after = decode_step(CONFIG, params, cache, toks[:, 0], active=np.array([True, False]))
     np.testing.assert_array_equal(after.lengths, [5, 4])
-    np.testing.assert_array_equal(after.k[:, 1], cache.k[:, 1])
-    assert np.abs(np.asarray(after.k[:, 0, :, 4])).max() > 0
+    np.testing.assert_array_equal(after.layers.k[:, 1], cache.layers.k[:, 1])
+    assert np.abs(np.asarray(after.layers.k[:, 0, :, 4])).max() > 0

@@ -25,7 +25,7 @@ def tiny():
 def _caches(cfg, books, t_max):
     L, hkv, d = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
     return {
-        "pq": (PQCache.for_codebooks(books, L, 2, hkv, t_max, window=16, dtype=jnp.float32, impl="xla"), books),
+        "pq": (PQCache.for_codebooks(books, 2, hkv, t_max, window=16, dtype=jnp.float32, impl="xla"), books),
         "dense": (DenseCache.create(L, 2, hkv, t_max, d, jnp.float32), None),
     }
 
@@ -99,7 +99,7 @@ def test_smollm2_greedy_pq_12bit_follows_dense(smol):
     seq = jnp.asarray([prompt + dense[:-1]])
     lengths = jnp.asarray([seq.shape[1]])
     ld, _ = prefill(cfg, m.params, init_cache(cfg, 1, t_max, jnp.float32), seq, lengths)
-    pq_cache = PQCache.for_codebooks(books, cfg.n_layers, 1, cfg.n_kv_heads, t_max,
+    pq_cache = PQCache.for_codebooks(books, 1, cfg.n_kv_heads, t_max,
                                      dtype=jnp.float32, quantize_all=True, impl="xla")
     lp, _ = prefill(cfg, m.params, pq_cache, seq, lengths, books)
     steps = slice(len(prompt) - 1, len(prompt) - 1 + n)
@@ -128,7 +128,7 @@ def test_smollm2_4bit_logits_stay_close(smol):
         books = calibrate_model(m, calib_ids, M=cfg.head_dim // 2, nbits=nbits, granularity="layer_head",
                                 key=jax.random.PRNGKey(0), window=256, max_tokens=2048,
                                 max_vectors=1024, iters=6)
-        c = PQCache.for_codebooks(books, cfg.n_layers, 1, cfg.n_kv_heads, len(ev), dtype=jnp.float32,
+        c = PQCache.for_codebooks(books, 1, cfg.n_kv_heads, len(ev), dtype=jnp.float32,
                                   quantize_all=True, impl="xla")
         lp, _ = prefill(cfg, m.params, c, x, n, books)
         pd, pp = jax.nn.log_softmax(ld, -1), jax.nn.log_softmax(lp, -1)

@@ -63,7 +63,7 @@ def run(mesh_shape: tuple[int, int]) -> dict:
     toks = multihost_utils.process_allgather(out.tokens, tiled=True)
     return {"tokens": np.asarray(toks).tolist(), "process_count": jax.process_count(),
             "device_count": jax.device_count(),
-            "local_cache_shards": len(out.cache.k.addressable_shards)}
+            "local_cache_shards": len(out.cache.layers.k.addressable_shards)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,8 @@ generated tokens, max |logit difference| of prefill and decode steps, the differ
 of the final cache contents, whether every output cache leaf keeps its rule
 sharding, whether donation worked, and the collectives in the compiled
 decode step's HLO (those touching a cache-shaped operand listed separately).
-Extra cases, same checks: a UniformCache (KIVI 4-bit) on (2, 4), and GQA with
+Extra cases, same checks: the PQ cache with impl="pallas" (decode steps in the Pallas
+kernel, interpret mode, run per shard under ``shard_map`` on (2, 4) and (1, 8)), a UniformCache (KIVI 4-bit) on (2, 4), and GQA with
 fewer KV heads than the "model" axis (4 KV heads on (1, 8): ``rules_for``
 replicates attention and the cache over "model", the MLP stays split).
 """
@@ -54,6 +55,7 @@ from million_jax.pq import Codebooks  # noqa: E402
 from models import LlamaConfig, decode_step, generate, init_params, prefill  # noqa: E402
 
 MESHES = [(8, 1), (2, 4), (1, 8)]
+PALLAS_MESHES = [(2, 4), (1, 8)]   # the kernel per shard: batch and KV heads split, all heads split
 BATCH = 8
 T_MAX = 520        # distinctive extents: a collective whose shape has one of these moves cache data
 WINDOW = 5
@@ -105,17 +107,21 @@ def min_layer_shard_elems(cache: Any) -> int:
 
 
 def make_cache(kind: str, config: LlamaConfig) -> tuple[Any, Any]:
-    """(empty cache, cache_consts) of one kind for ``config``."""
+    """(empty cache, cache_consts) of one kind for ``config``.
+
+    "pq" reads codes on the xla path; "pq-pallas" runs decode steps in the Pallas kernel
+    (interpret mode on CPU; on a mesh, per shard under ``shard_map``).
+    """
     L, hkv, d = config.n_layers, config.n_kv_heads, config.head_dim
     if kind == "dense":
         return DenseCache.create(L, BATCH, hkv, T_MAX, d, jnp.float32), None
-    if kind == "pq":
+    if kind in ("pq", "pq-pallas"):
         k1, k2 = jax.random.split(jax.random.key(7))
         shape = (L, hkv, 4, 16, d // 4)                      # layer_head, M=4, nbits=4
         books = PQCodebooks(Codebooks(jax.random.normal(k1, shape)), Codebooks(jax.random.normal(k2, shape)),
                             "layer_head")
         cache = PQCache.create(L, BATCH, hkv, T_MAX, d, M=4, nbits=4, window=WINDOW, sinks=SINKS,
-                               dtype=jnp.float32, impl="xla")
+                               dtype=jnp.float32, impl="pallas" if kind == "pq-pallas" else "xla")
         return cache, books
     if kind == "uniform":
         cache = UniformCache.create(L, BATCH, hkv, T_MAX, d, bits=4, group_size=4, window=WINDOW,
@@ -168,6 +174,11 @@ def run_case(config: LlamaConfig, kind: str, mesh_shape: tuple[int, int] | None,
                     for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]}
     tok = jnp.asarray(out.tokens[:, -1])
     step = decode_step.lower(config, params, cache, tok, books).compile()
+    hlo = step.as_text()
+    # interpret mode inlines the kernel into plain HLO: look for it in the traced program
+    jaxpr = str(decode_step.trace(config, params, cache, tok, books).jaxpr)
+    res["pallas_kernel_in_step"] = "pallas_call" in jaxpr
+    res["shard_map_in_step"] = "shard_map" in jaxpr
     l1, cache = step(params, cache, tok, books)
     tok = jnp.argmax(l1, axis=-1).astype(jnp.int32)
     l2, cache = step(params, cache, tok, books)
@@ -177,7 +188,7 @@ def run_case(config: LlamaConfig, kind: str, mesh_shape: tuple[int, int] | None,
                                sharding_error("decode_step", cache, mesh, rules)) if e]
         res["cache_sharding_errors"] = errors
         min_elems = min_layer_shard_elems(cache)
-        colls = collectives(step.as_text())
+        colls = collectives(hlo)
         res["min_cache_shard_elems"] = min_elems
         res["collectives"] = [f"{c['op']} {c['shapes']}" for c in colls]
         res["cache_collectives"] = [f"{c['op']} {c['shapes']}" for c in colls if cache_sized(c, min_elems)]
@@ -216,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         ref_seconds[kind] = ref["seconds"]
         for shape in MESHES:
             cases.append(compare(ref, run_case(CONFIG, kind, shape, params)))
+    ref = run_case(CONFIG, "pq-pallas", None, params)
+    ref_seconds["pq-pallas"] = ref["seconds"]
+    for shape in PALLAS_MESHES:
+        cases.append(compare(ref, run_case(CONFIG, "pq-pallas", shape, params)))
     ref = run_case(CONFIG, "uniform", None, params)
     cases.append(compare(ref, run_case(CONFIG, "uniform", (2, 4), params)))
     gqa_params = init_params(GQA_CONFIG, jax.random.key(1), jnp.float32, 0.2)

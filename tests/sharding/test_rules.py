@@ -77,7 +77,7 @@ def test_gqa_with_fewer_kv_heads_than_model_axis_replicates_attention_only():
     assert specs["wq"] == P() and specs["wk"] == P() and specs["wo"] == P()
     assert specs["w_gate"] == P(None, None, "model")
     cache = jax.eval_shape(lambda: DenseCache.create(2, 8, 4, 32, 8))
-    assert S.tree_specs(cache, m, rules).k == P()
+    assert S.tree_specs(cache, m, rules).layers.k == P()
     # (2, 4): 4 KV heads split 4 ways, query heads follow
     rules = S.rules_for(mesh(2, 4), cfg)
     assert rules["heads"] == rules["kv_heads"] == ("model",)
@@ -97,7 +97,7 @@ def test_indivisible_dims_are_replicated_and_axes_used_once():
 def test_one_dimensional_mesh_ignores_missing_axes():
     m = AbstractMesh((4,), (S.MODEL,), axis_types=(AxisType.Auto,))
     cache = jax.eval_shape(lambda: DenseCache.create(2, 8, 8, 32, 8))
-    assert S.tree_specs(cache, m).k == P(None, None, "model")
+    assert S.tree_specs(cache, m).layers.k == P(None, None, "model")
     assert S.tree_specs(cache, m).lengths == P()
 
 
@@ -150,5 +150,5 @@ def test_abstract_tree_carries_shardings():
     m = S.make_mesh((1, 1))
     cache = jax.eval_shape(lambda: DenseCache.create(2, 2, 8, 16, 8))
     abstract = S.abstract_tree(cache, m)
-    assert isinstance(abstract.k, jax.ShapeDtypeStruct) and abstract.k.dtype == jnp.bfloat16
-    assert abstract.k.sharding.spec == P()      # size-1 mesh axes are left out of the spec
+    assert isinstance(abstract.layers.k, jax.ShapeDtypeStruct) and abstract.layers.k.dtype == jnp.bfloat16
+    assert abstract.layers.k.sharding.spec == P()      # size-1 mesh axes are left out of the spec

@@ -3,7 +3,8 @@
 The checks run in a subprocess (``sharded_checks.py``) because the fake device
 count must be set before jax is imported; this file only asserts on the JSON
 the script writes. One run covers dense and PQ caches on meshes (8, 1),
-(2, 4), (1, 8), plus a UniformCache on (2, 4) and GQA with 4 KV heads on an
+(2, 4), (1, 8), the PQ cache with the Pallas kernel (impl="pallas", interpret mode, per
+shard under shard_map) on (2, 4) and (1, 8), plus a UniformCache on (2, 4) and GQA with 4 KV heads on an
 8-way "model" axis.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ SCRIPT = HERE / "sharded_checks.py"
 # (kind, mesh, n_kv_heads): the cases sharded_checks.main() runs, in order.
 CASES = [("dense", (8, 1), 8), ("dense", (2, 4), 8), ("dense", (1, 8), 8),
          ("pq", (8, 1), 8), ("pq", (2, 4), 8), ("pq", (1, 8), 8),
+         ("pq-pallas", (2, 4), 8), ("pq-pallas", (1, 8), 8),
          ("uniform", (2, 4), 8), ("dense", (1, 8), 4)]
 IDS = [f"{k}-{m[0]}x{m[1]}-kv{h}" for k, m, h in CASES]
 
@@ -70,8 +72,12 @@ def test_same_generated_tokens_as_one_device(case):
 
 
 def test_same_decode_logits_as_one_device(case):
-    # fp32; tensor parallelism reorders the sums of the row-parallel matmuls (all-reduce)
-    tol = 1e-4 * max(1.0, case["logit_scale"])
+    # fp32; tensor parallelism reorders the sums of the row-parallel matmuls (all-reduce).
+    # In a quantized cache that reordering can flip a code at a near tie of the rounding
+    # (at most 1e-3 of the codes: test_same_cache_contents_as_one_device); one flipped code
+    # moves one key/value element by one quantization step, so the logits get 10x the room.
+    flipped = any(d > 0 for name, d in case["cache_diff"].items() if "codes" in name)
+    tol = (1e-3 if flipped else 1e-4) * max(1.0, case["logit_scale"])
     assert max(case["logit_max_abs_diff"]) <= tol, case["logit_max_abs_diff"]
 
 
@@ -93,3 +99,10 @@ def test_cache_keeps_its_sharding_and_is_donated(case):
 def test_decode_step_moves_no_cache_data(case):
     """No all-gather / all-to-all / collective-permute of a cache-shaped operand in the HLO."""
     assert case["cache_collectives"] == [], case["cache_collectives"]
+
+
+def test_pallas_cases_run_the_kernel_per_shard(case):
+    """impl="pallas" really runs the kernel in the decode step, under shard_map on a mesh."""
+    pallas = case["kind"] == "pq-pallas"
+    assert case["pallas_kernel_in_step"] == pallas
+    assert case["shard_map_in_step"] == pallas
