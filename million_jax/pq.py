@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -121,23 +122,14 @@ def _split(x: jax.Array, M: int) -> jax.Array:
     return jnp.moveaxis(x.reshape(*lead, n, M, d // M), -2, -3)
 
 
-def fit_codebooks(
-    x: jax.Array,
-    M: int,
-    nbits: int,
-    *,
-    key: jax.Array,
-    iters: int = 25,
-    tol: float | None = None,
-    weights: jax.Array | None = None,
-    chunk_size: int = 8192,
-    init_sample: int | None = None,
-) -> Codebooks:
+def fit_codebooks(x: jax.Array, M: int, nbits: int, *, key: jax.Array, weights: jax.Array | None = None,
+                  **kmeans_options: Any) -> Codebooks:
     """Fit one PQ codebook per leading group of ``x``.
 
     x: float[*G, N, d] -> Codebooks with centroids float32[*G, M, 2**nbits, d // M].
     All G * M k-means problems are fitted at once (one jitted, vmapped program).
-    weights: optional float[*G, N].
+    weights: optional float[*G, N]. ``kmeans_options`` go to :func:`million_jax.kmeans.kmeans`
+    (iters, tol, chunk_size, init_sample).
     """
     x = jnp.asarray(x)
     if x.ndim < 2:
@@ -157,9 +149,7 @@ def fit_codebooks(
         if weights.shape != x.shape[:-1]:
             raise ValueError(f"fit_codebooks: weights must have shape {x.shape[:-1]}, got {weights.shape}")
         w = jnp.broadcast_to(weights[..., None, :], xs.shape[:-1])
-    res = kmeans(
-        xs, k, key=key, iters=iters, tol=tol, weights=w, chunk_size=chunk_size, init_sample=init_sample
-    )
+    res = kmeans(xs, k, key=key, weights=w, **kmeans_options)
     return Codebooks(centroids=res.centroids)
 
 

@@ -42,13 +42,8 @@ def _shape_dtype(x: object, name: str) -> tuple[tuple[int, ...], np.dtype]:
 
 
 def check_pq_inputs(
-    q: jax.Array,
-    k_codes: jax.Array,
-    v_codes: jax.Array,
-    k_codebooks: jax.Array,
-    v_codebooks: jax.Array,
-    start: jax.Array,
-    end: jax.Array,
+    q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_codebooks: jax.Array, v_codebooks: jax.Array,
+    start: jax.Array, end: jax.Array,
 ) -> PQDims:
     """Validates the public inputs and returns their sizes; raises ValueError naming the problem.
 

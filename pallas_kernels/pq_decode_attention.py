@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -229,37 +229,41 @@ def _check_kernel_support(
 
 
 def pq_kernel_unsupported_reason(
-    q: jax.Array,
-    k_codes: jax.Array,
-    v_codes: jax.Array,
-    k_codebooks: jax.Array,
-    v_codebooks: jax.Array,
-    start: jax.Array,
-    end: jax.Array,
-    *,
-    block_t: int | None = None,
-    num_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    key_path: KeyPath = "centroid",
-    precision: Precision = "bf16",
+    q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_codebooks: jax.Array, v_codebooks: jax.Array,
+    start: jax.Array, end: jax.Array,
+    **launch: Any,
 ) -> str | None:
     """None when `pq_decode_attention` takes these inputs (arrays or ShapeDtypeStructs), else why not.
 
-    For impl="auto" dispatch: a non-None answer means "use the XLA reference path". Only
-    shapes / dtypes are inspected (works at trace time).
+    ``launch``: the keyword options of `pq_decode_attention` (block_t, num_splits, num_warps,
+    num_stages, key_path, precision). For impl="auto" dispatch: a non-None answer means "use
+    the XLA reference path". Only shapes / dtypes are inspected (works at trace time).
     """
+    unknown = set(launch) - set(LAUNCH_OPTIONS)
+    if unknown:
+        raise TypeError(f"pq_kernel_unsupported_reason: unknown launch options {sorted(unknown)}")
     try:
-        dims = check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end)
-        cfg = default_launch_config(
-            dims.batch, dims.num_kv_heads, dims.seq_len,
-            key_path=key_path if key_path in ("centroid", "lut") else "centroid",
-            block_t=block_t, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        )
-        _check_kernel_support(dims, jnp.dtype(k_codes.dtype), cfg, key_path, precision)
+        _plan((q, k_codes, v_codes, k_codebooks, v_codebooks, start, end), launch)
     except ValueError as e:
         return str(e)
     return None
+
+
+LAUNCH_OPTIONS = ("block_t", "num_splits", "num_warps", "num_stages", "key_path", "precision")
+
+
+def _plan(inputs: tuple[jax.Array, ...], launch: dict) -> tuple[PQDims, LaunchConfig]:
+    """Checks the kernel's inputs and launch options; (sizes, launch config) or ValueError."""
+    dims = check_pq_inputs(*inputs)
+    key_path = launch.get("key_path", "centroid")
+    precision = launch.get("precision", "bf16")
+    sizes = {k: launch.get(k) for k in LAUNCH_OPTIONS[:4]}
+    cfg = default_launch_config(
+        dims.batch, dims.num_kv_heads, dims.seq_len,
+        key_path=key_path if key_path in ("centroid", "lut") else "centroid", **sizes,
+    )
+    _check_kernel_support(dims, jnp.dtype(inputs[1].dtype), cfg, key_path, precision)
+    return dims, cfg
 
 
 def _codebook_spec(cb: jax.Array) -> pl.BlockSpec:
@@ -270,13 +274,8 @@ def _codebook_spec(cb: jax.Array) -> pl.BlockSpec:
 
 
 def pq_decode_attention(
-    q: jax.Array,
-    k_codes: jax.Array,
-    v_codes: jax.Array,
-    k_codebooks: jax.Array,
-    v_codebooks: jax.Array,
-    start: jax.Array,
-    end: jax.Array,
+    q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_codebooks: jax.Array, v_codebooks: jax.Array,
+    start: jax.Array, end: jax.Array,
     *,
     scale: float | None = None,
     block_t: int | None = None,
@@ -313,18 +312,9 @@ def pq_decode_attention(
       ValueError: bad shapes / dtypes, or inputs this kernel does not take (uint16 codes,
         non-power-of-two d / M / dsub): the caller then uses the XLA reference path.
     """
-    dims = check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end)
-    cfg = default_launch_config(
-        dims.batch,
-        dims.num_kv_heads,
-        dims.seq_len,
-        key_path=key_path if key_path in ("centroid", "lut") else "centroid",
-        block_t=block_t,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    _check_kernel_support(dims, jnp.dtype(k_codes.dtype), cfg, key_path, precision)
+    dims, cfg = _plan((q, k_codes, v_codes, k_codebooks, v_codebooks, start, end),
+                      dict(block_t=block_t, num_splits=num_splits, num_warps=num_warps,
+                           num_stages=num_stages, key_path=key_path, precision=precision))
     batch, num_heads, head_dim = dims.batch, dims.num_heads, dims.head_dim
     hkv, group = dims.num_kv_heads, dims.group
     if dims.seq_len == 0:
@@ -396,13 +386,8 @@ def pq_decode_attention(
 
 
 def pq_decode_attention_reference(
-    q: jax.Array,
-    k_codes: jax.Array,
-    v_codes: jax.Array,
-    k_codebooks: jax.Array,
-    v_codebooks: jax.Array,
-    start: jax.Array,
-    end: jax.Array,
+    q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_codebooks: jax.Array, v_codebooks: jax.Array,
+    start: jax.Array, end: jax.Array,
     *,
     scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:

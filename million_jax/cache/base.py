@@ -45,7 +45,7 @@ import numpy as np
 
 PyTree = Any
 
-__all__ = ["LayerState", "KVCache", "register_cache", "token_rows", "write_rows"]
+__all__ = ["CACHE_DIMS", "LayerState", "KVCache", "check_cache_args", "register_cache", "token_rows", "write_rows"]
 
 
 class LayerState(abc.ABC):
@@ -109,6 +109,25 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of the per-step cache state (every array leaf; cache_consts excluded)."""
         return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(self))
+
+
+# The leading constructor arguments of every cache kind, in order.
+CACHE_DIMS = ("num_layers", "batch", "num_kv_heads", "max_len", "head_dim")
+
+
+def check_cache_args(sizes: dict[str, int], dtype: Any, window: int = 0, sinks: int = 0) -> None:
+    """ValueError naming the first bad constructor argument of a cache.
+
+    sizes: {name in CACHE_DIMS: value}, each must be >= 1; ``window`` / ``sinks`` >= 0;
+    ``dtype`` a floating type.
+    """
+    for name, val in sizes.items():
+        if int(val) < 1:
+            raise ValueError(f"{name} must be >= 1, got {val}")
+    if window < 0 or sinks < 0:
+        raise ValueError(f"window and sinks must be >= 0, got window={window}, sinks={sinks}")
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"dtype must be a floating type, got {dtype}")
 
 
 def register_cache(cls: type) -> type:

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from million_jax.attention import causal_attention
-from million_jax.cache.base import KVCache, LayerState, register_cache, token_rows, write_rows
+from million_jax.cache.base import (CACHE_DIMS, KVCache, LayerState, check_cache_args, register_cache, token_rows,
+                                    write_rows)
 
 __all__ = ["DenseCache", "DenseLayer"]
 
@@ -63,16 +64,10 @@ class DenseCache(KVCache):
     lengths: jax.Array
 
     @classmethod
-    def create(
-        cls,
-        num_layers: int,
-        batch: int,
-        num_kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        dtype: Any = jnp.bfloat16,
-    ) -> "DenseCache":
+    def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
+               dtype: Any = jnp.bfloat16) -> "DenseCache":
         """An empty cache: zeros of shape [L, B, Hkv, max_len, d], lengths 0."""
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        check_cache_args(dict(zip(CACHE_DIMS, shape)), dtype)
         return cls(layers=DenseLayer(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)),
                    lengths=jnp.zeros((batch,), jnp.int32))

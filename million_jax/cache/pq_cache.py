@@ -32,8 +32,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from million_jax.cache.base import KVCache, LayerState, register_cache, token_rows, write_rows
-from million_jax.cache.window import exact_window_attention, write_window
+from million_jax.cache.base import CACHE_DIMS, check_cache_args, register_cache, token_rows, write_rows
+from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
 from million_jax.kernel_dispatch import KernelMesh, check_impl, pq_code_attention
 from million_jax.pq import Codebooks, code_dtype, encode
 from million_jax.pq_codebooks import PQCodebooks
@@ -48,7 +48,7 @@ __all__ = ["PQCache", "PQLayer"]
     meta_fields=["quantize_all", "impl", "mesh"],
 )
 @dataclasses.dataclass(frozen=True)
-class PQLayer(LayerState):
+class PQLayer(ExactWindowLayer):
     """One layer of a PQCache (module docstring; per layer the leading L axis is absent)."""
 
     k_codes: jax.Array
@@ -60,18 +60,6 @@ class PQLayer(LayerState):
     quantize_all: bool = False
     impl: str = "auto"
     mesh: KernelMesh | None = None
-
-    @property
-    def max_len(self) -> int:
-        return self.k_codes.shape[-2]
-
-    @property
-    def window(self) -> int:
-        return self.ring_k.shape[-2]
-
-    @property
-    def sinks(self) -> int:
-        return self.sink_k.shape[-2]
 
     def attend(self, consts: PQCodebooks, q, k, v, lengths, n_new) -> tuple[jax.Array, "PQLayer"]:
         """Append k, v (float[B, T, Hkv, d]) and attend q float[B, T, H, d].
@@ -86,70 +74,41 @@ class PQLayer(LayerState):
         pos, rows = token_rows(lengths, n_new, t, t_max)
         new_kc = jnp.swapaxes(encode(Codebooks(kcb), jnp.swapaxes(k, 1, 2)), 1, 2)  # [B, T, Hkv, M]
         new_vc = jnp.swapaxes(encode(Codebooks(vcb), jnp.swapaxes(v, 1, 2)), 1, 2)
-        sink_k, sink_v, ring_k, ring_v = write_window(
-            self.sink_k, self.sink_v, self.ring_k, self.ring_v, k, v, lengths, n_new
-        )
+        written = self.write_exact(k, v, lengths, n_new)
         new = dataclasses.replace(
             self, k_codes=write_rows(self.k_codes, rows, new_kc), v_codes=write_rows(self.v_codes, rows, new_vc),
-            sink_k=sink_k, sink_v=sink_v, ring_k=ring_k, ring_v=ring_v,
+            **written,
         )
-        # Code region per query: [lo, hi).
-        end = (lengths + n_new)[:, None]
-        exact = not self.quantize_all and (self.sinks or self.window)
-        lo = jnp.full_like(pos, self.sinks if exact else 0)
-        hi = jnp.minimum(pos + 1 - (self.window if exact else 0), end)
+        lo, hi = self.code_region(pos, lengths + n_new)
         out, lse = pq_code_attention(q, new.k_codes, new.v_codes, kcb, vcb, lo, hi, impl=self.impl, mesh=self.mesh)
-        if exact:
-            out_e, lse_e = exact_window_attention(q, sink_k, sink_v, self.ring_k, self.ring_v, k, v, lengths, n_new)
+        if self.has_exact:
+            out_e, lse_e = self.exact_attention(q, written, k, v, lengths, n_new)
             out, _ = merge_partials([out, out_e], [lse, lse_e])
         return out.astype(q.dtype), new
 
 
 @register_cache
 @dataclasses.dataclass(frozen=True)
-class PQCache(KVCache):
+class PQCache(ExactWindowCache):
     """Product-quantized KV cache (see module docstring); cache_consts: its PQCodebooks."""
 
     layers: PQLayer
     lengths: jax.Array
 
     @classmethod
-    def create(
-        cls,
-        num_layers: int,
-        batch: int,
-        num_kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        *,
-        M: int,
-        nbits: int,
-        window: int = 0,
-        sinks: int = 0,
-        dtype: Any = jnp.bfloat16,
-        quantize_all: bool = False,
-        impl: str = "auto",
-    ) -> "PQCache":
+    def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, *,
+               M: int, nbits: int, window: int = 0, sinks: int = 0, dtype: Any = jnp.bfloat16,
+               quantize_all: bool = False, impl: str = "auto") -> "PQCache":
         """An empty cache; ``window`` (W) and ``sinks`` (S) may be 0."""
+        check_cache_args(dict(zip(CACHE_DIMS, (num_layers, batch, num_kv_heads, max_len, head_dim))), dtype,
+                         window, sinks)
         if head_dim % M:
             raise ValueError(f"head_dim {head_dim} is not divisible by M={M}")
-        if window < 0 or sinks < 0:
-            raise ValueError(f"window and sinks must be >= 0, got window={window}, sinks={sinks}")
         check_impl(impl)
-        if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
-        cdt = code_dtype(nbits)
-        lead = (num_layers, batch, num_kv_heads)
-        layers = PQLayer(
-            k_codes=jnp.zeros(lead + (max_len, M), cdt),
-            v_codes=jnp.zeros(lead + (max_len, M), cdt),
-            sink_k=jnp.zeros(lead + (sinks, head_dim), dtype),
-            sink_v=jnp.zeros(lead + (sinks, head_dim), dtype),
-            ring_k=jnp.zeros(lead + (window, head_dim), dtype),
-            ring_v=jnp.zeros(lead + (window, head_dim), dtype),
-            quantize_all=quantize_all,
-            impl=impl,
-        )
+        codes = (num_layers, batch, num_kv_heads, max_len, M)
+        # distinct buffers for every field: a donated pytree must not hold one buffer twice
+        layers = PQLayer(k_codes=jnp.zeros(codes, code_dtype(nbits)), v_codes=jnp.zeros(codes, code_dtype(nbits)), quantize_all=quantize_all, impl=impl,
+                         **empty_window((num_layers, batch, num_kv_heads), sinks, window, head_dim, dtype))
         return cls(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
 
     @classmethod
@@ -158,18 +117,6 @@ class PQCache(KVCache):
         codebooks.check(codebooks.num_layers, num_kv_heads, codebooks.head_dim)
         return cls.create(codebooks.num_layers, batch, num_kv_heads, max_len, codebooks.head_dim,
                           M=codebooks.M, nbits=codebooks.nbits, **kw)
-
-    @property
-    def window(self) -> int:
-        return self.layers.window
-
-    @property
-    def sinks(self) -> int:
-        return self.layers.sinks
-
-    @property
-    def head_dim(self) -> int:
-        return self.layers.ring_k.shape[-1]
 
     def layer_consts(self, cache_consts: PQCodebooks | None = None) -> PQCodebooks:
         """The codebooks, checked against this cache (they are scanned with the layers)."""

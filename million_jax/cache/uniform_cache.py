@@ -61,8 +61,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from million_jax.cache.base import KVCache, LayerState, register_cache, token_rows, write_rows
-from million_jax.cache.window import exact_window_attention, write_window
+from million_jax.cache.base import CACHE_DIMS, check_cache_args, register_cache, token_rows, write_rows
+from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
 from million_jax.uniform_attention import current_group_attention, take_rows, uniform_attention
 from million_jax.uniform_quant import (
     KVBits,
@@ -148,7 +148,7 @@ _DATA = ["k_codes", "k_scale", "k_zero", "k_stage", "v_codes", "v_scale", "v_zer
     meta_fields=["bits", "group_size", "mode", "quantize_all", "tile"],
 )
 @dataclasses.dataclass(frozen=True)
-class UniformLayer(LayerState):
+class UniformLayer(ExactWindowLayer):
     """One layer of a UniformCache (module docstring; per layer the leading L axis is absent)."""
 
     k_codes: jax.Array
@@ -167,18 +167,6 @@ class UniformLayer(LayerState):
     mode: str = "kivi"
     quantize_all: bool = False
     tile: int = 512
-
-    @property
-    def max_len(self) -> int:
-        return self.k_codes.shape[-2]
-
-    @property
-    def window(self) -> int:
-        return self.ring_k.shape[-2]
-
-    @property
-    def sinks(self) -> int:
-        return self.sink_k.shape[-2]
 
     @property
     def kivi(self) -> bool:
@@ -214,15 +202,11 @@ class UniformLayer(LayerState):
             kc, ks, kz = quantize_token_groups(k.astype(dt), self.bits, d, dt)
             upd.update(k_codes=write_rows(self.k_codes, rows, pack(kc, self.bits)),
                        k_scale=write_rows(self.k_scale, rows, ks), k_zero=write_rows(self.k_zero, rows, kz))
-        sink_k, sink_v, ring_k, ring_v = write_window(
-            self.sink_k, self.sink_v, self.ring_k, self.ring_v, k, v, lengths, n_kept
-        )
-        new = dataclasses.replace(self, sink_k=sink_k, sink_v=sink_v, ring_k=ring_k, ring_v=ring_v, **upd)
+        written = self.write_exact(k, v, lengths, n_kept)
+        new = dataclasses.replace(self, **written, **upd)
 
         # Code region per query: [lo, hi).
-        exact = not self.quantize_all and (self.sinks or self.window)
-        lo = jnp.full_like(pos, self.sinks if exact else 0)
-        hi = jnp.minimum(pos + 1 - (self.window if exact else 0), end[:, None])
+        lo, hi = self.code_region(pos, end)
         scale = 1.0 / math.sqrt(d)
         # Complete groups (and, in token mode, everything) come from the stored codes.
         hi_main = jnp.minimum(hi, (pos // self.group_size) * self.group_size) if self.kivi else hi
@@ -244,10 +228,8 @@ class UniformLayer(LayerState):
             )
             outs.append(out_g)
             lses.append(lse_g)
-        if exact:
-            out_e, lse_e = exact_window_attention(
-                q, sink_k, sink_v, self.ring_k, self.ring_v, k, v, lengths, n_kept, scale=scale
-            )
+        if self.has_exact:
+            out_e, lse_e = self.exact_attention(q, written, k, v, lengths, n_kept, scale=scale)
             outs.append(out_e)
             lses.append(lse_e)
         out, _ = merge_partials(outs, lses)
@@ -256,30 +238,16 @@ class UniformLayer(LayerState):
 
 @register_cache
 @dataclasses.dataclass(frozen=True)
-class UniformCache(KVCache):
+class UniformCache(ExactWindowCache):
     """Uniform (KIVI-style / per-token) integer KV cache (module docstring); no cache_consts."""
 
     layers: UniformLayer
     lengths: jax.Array
 
     @classmethod
-    def create(
-        cls,
-        num_layers: int,
-        batch: int,
-        num_kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        *,
-        bits: int,
-        group_size: int = 32,
-        mode: str = "kivi",
-        window: int = 0,
-        sinks: int = 0,
-        dtype: Any = jnp.bfloat16,
-        quantize_all: bool = False,
-        tile: int = 512,
-    ) -> "UniformCache":
+    def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, *,
+               bits: int, group_size: int = 32, mode: str = "kivi", window: int = 0, sinks: int = 0,
+               dtype: Any = jnp.bfloat16, quantize_all: bool = False, tile: int = 512) -> "UniformCache":
         """An empty cache. ``window`` (W) and ``sinks`` (S) may be 0.
 
         kivi: G = ``group_size`` tokens per key stat and channels per value stat
@@ -288,16 +256,10 @@ class UniformCache(KVCache):
         ``tile``: tokens dequantized per attention step (rounded up to a multiple of G).
         """
         check_settings(mode, bits, group_size, head_dim)
-        sizes = dict(num_layers=num_layers, batch=batch, num_kv_heads=num_kv_heads, max_len=max_len)
-        for name, val in sizes.items():
-            if val < 1:
-                raise ValueError(f"{name} must be >= 1, got {val}")
-        if window < 0 or sinks < 0:
-            raise ValueError(f"window and sinks must be >= 0, got window={window}, sinks={sinks}")
+        check_cache_args(dict(zip(CACHE_DIMS, (num_layers, batch, num_kv_heads, max_len, head_dim))), dtype,
+                         window, sinks)
         if tile < 1:
             raise ValueError(f"tile must be >= 1, got {tile}")
-        if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-            raise ValueError(f"dtype must be a floating type, got {dtype}")
         kivi = mode == "kivi"
         g = int(group_size) if kivi else head_dim
         lead = (num_layers, batch, num_kv_heads)
@@ -313,29 +275,14 @@ class UniformCache(KVCache):
             v_codes=z(lead + (max_len, pw), jnp.uint8),
             v_scale=z(v_stats),
             v_zero=z(v_stats),
-            sink_k=z(lead + (sinks, head_dim)),
-            sink_v=z(lead + (sinks, head_dim)),
-            ring_k=z(lead + (window, head_dim)),
-            ring_v=z(lead + (window, head_dim)),
             bits=bits,
             group_size=g,
             mode=mode,
             quantize_all=quantize_all,
             tile=tile,
+            **empty_window(lead, sinks, window, head_dim, dtype),
         )
         return cls(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
-
-    @property
-    def head_dim(self) -> int:
-        return self.layers.ring_k.shape[-1]
-
-    @property
-    def window(self) -> int:
-        return self.layers.window
-
-    @property
-    def sinks(self) -> int:
-        return self.layers.sinks
 
     @property
     def bits_per_element(self) -> KVBits:

@@ -23,10 +23,81 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from million_jax.attention import attention
-from million_jax.cache.base import write_rows
+from typing import Any
 
-__all__ = ["write_window", "exact_window_attention"]
+from million_jax.attention import attention
+from million_jax.cache.base import KVCache, LayerState, write_rows
+
+__all__ = ["ExactWindowCache", "ExactWindowLayer", "empty_window", "write_window", "exact_window_attention"]
+
+
+class ExactWindowLayer(LayerState):
+    """Mixin of a quantized layer state: codes ``k_codes [..., T_max, *]`` plus the exact
+    ``sink_k / sink_v [..., S, d]`` and ``ring_k / ring_v [..., W, d]`` (module docstring)."""
+
+    quantize_all: bool
+
+    @property
+    def max_len(self) -> int:
+        return self.k_codes.shape[-2]
+
+    @property
+    def window(self) -> int:
+        return self.ring_k.shape[-2]
+
+    @property
+    def sinks(self) -> int:
+        return self.sink_k.shape[-2]
+
+    @property
+    def has_exact(self) -> bool:
+        """Whether some tokens are read exactly (sinks or window, and not ``quantize_all``)."""
+        return not self.quantize_all and bool(self.sinks or self.window)
+
+    def write_exact(self, k: jax.Array, v: jax.Array, lengths: jax.Array, n_new: jax.Array) -> dict[str, jax.Array]:
+        """The sink / ring fields after appending k, v float[B, T, Hkv, d] (see :func:`write_window`)."""
+        names = ("sink_k", "sink_v", "ring_k", "ring_v")
+        return dict(zip(names, write_window(*(getattr(self, n) for n in names), k, v, lengths, n_new)))
+
+    def exact_attention(self, q: jax.Array, written: dict[str, jax.Array], k: jax.Array, v: jax.Array,
+                        lengths: jax.Array, n_new: jax.Array, scale: float | None = None):
+        """(out, lse) of q over the exact tokens: the sinks after the append (``written``), the
+        ring before it (this state) and the new k, v (:func:`exact_window_attention`)."""
+        return exact_window_attention(q, written["sink_k"], written["sink_v"], self.ring_k, self.ring_v,
+                                      k, v, lengths, n_new, scale=scale)
+
+    def code_region(self, pos: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(lo, hi) int32[B, T]: query at pos[b, t] reads tokens lo <= s < hi from codes.
+
+        end: int32[B], tokens stored after this call's append.
+        """
+        exact = self.has_exact
+        lo = jnp.full_like(pos, self.sinks if exact else 0)
+        hi = jnp.minimum(pos + 1 - (self.window if exact else 0), end[:, None])
+        return lo, hi
+
+
+class ExactWindowCache(KVCache):
+    """Mixin of a quantized cache whose ``layers`` is an :class:`ExactWindowLayer`."""
+
+    @property
+    def window(self) -> int:
+        return self.layers.window
+
+    @property
+    def sinks(self) -> int:
+        return self.layers.sinks
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers.ring_k.shape[-1]
+
+
+def empty_window(lead: tuple[int, ...], sinks: int, window: int, head_dim: int, dtype: Any) -> dict[str, jax.Array]:
+    """Zero sink_k, sink_v float[*lead, S, d] and ring_k, ring_v float[*lead, W, d] (distinct buffers)."""
+    sink, ring = lead + (sinks, head_dim), lead + (window, head_dim)
+    return dict(sink_k=jnp.zeros(sink, dtype), sink_v=jnp.zeros(sink, dtype),
+                ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype))
 
 
 def write_window(sink_k, sink_v, ring_k, ring_v, k, v, lengths, n_new):
