@@ -68,6 +68,7 @@ class PQMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
                 raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None.")
             inputs_k = inputs_q
         inputs_v = inputs_k if inputs_v is None else inputs_v
+        settings = PQSettings(self.window, self.sinks, self.quantize_all, self.impl)
         qkv = self.qkv_features or inputs_q.shape[-1]
         heads, kv_heads = self.num_heads, self.num_kv_heads or self.num_heads
         if qkv % heads or heads % kv_heads:
@@ -87,7 +88,7 @@ class PQMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         calibrating = self.is_mutable_collection(CALIBRATION_COLLECTION) and not self.is_initializing()
         if calibrating:
             self.sow(CALIBRATION_COLLECTION, "kv", (key, value))
-        x = _decode(self, query, key, value, mask, kv_heads) if self.decode and not calibrating else None
+        x = _decode(self, settings, query, key, value, mask, kv_heads) if self.decode and not calibrating else None
         if x is None:
             x = _dense_attention(self, query, key, value, mask, deterministic, dropout_rng, sow_weights)
         return nn.DenseGeneral(
@@ -105,11 +106,10 @@ def _books(module: PQMultiHeadDotProductAttention, kv_heads: int, d: int) -> PQC
                              f"{'/'.join(module.path)}: PQMultiHeadDotProductAttention")
 
 
-def _decode(module, query, key, value, mask, kv_heads) -> jax.Array | None:
+def _decode(module, settings: PQSettings, query, key, value, mask, kv_heads) -> jax.Array | None:
     """The PQ decode step (x float[*batch, T, H, d]), or None when this call creates the cache
     (or, in ``init`` without codebooks, creates none) and attends densely instead."""
     books = _books(module, kv_heads, query.shape[-1])
-    settings = PQSettings(module.window, module.sinks, module.quantize_all, module.impl)
     if books is None and not module.is_initializing():
         raise ValueError(f"{'/'.join(module.path)}: PQMultiHeadDotProductAttention(decode=True) needs its codebooks "
                          f"in the {CODEBOOK_COLLECTION!r} collection (million_jax.flax.linen_codebooks)")
