@@ -351,7 +351,7 @@ def kmeans(
         iteration falls below ``tol`` (None: always run ``iters``).
       weights: optional float[..., N] non-negative sample weights.
       chunk_size: points per assignment chunk (bounds memory).
-      init_sample: points used for k-means++ seeding (default ``max(64 * k, 4096)``).
+      init_sample: points used for k-means++ seeding (default ``max(16 * k, 4096)``).
 
     Returns:
       KMeansResult with centroids float32[..., k, d].
@@ -363,7 +363,7 @@ def kmeans(
     if weights is None:
         weights = jnp.ones(x.shape[:-1], jnp.float32)
     if init_sample is None:
-        init_sample = max(64 * k, 4096)
+        init_sample = max(16 * k, 4096)
     return _kmeans_batched(
         key,
         x,
