@@ -55,7 +55,7 @@ __all__ = ["PQCache", "PQLayer"]
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["k_codes", "v_codes", "sink_k", "sink_v", "ring_k", "ring_v"],
-    meta_fields=["quantize_all", "impl", "mesh"],
+    meta_fields=["quantize_all", "impl", "mesh", "budgets"],
 )
 @dataclasses.dataclass(frozen=True)
 class PQLayer(ExactWindowLayer):
@@ -70,6 +70,9 @@ class PQLayer(ExactWindowLayer):
     quantize_all: bool = False
     impl: str = "auto"
     mesh: KernelMesh | None = None
+    # (key M, key nbits, value M, value nbits) the codes were made for (None: not recorded);
+    # a packed width alone cannot tell 4 x 3-bit codes from 2 x 5-bit ones
+    budgets: tuple[int, int, int, int] | None = None
 
     def attend(self, consts: PQCodebooks, q, k, v, lengths, n_new) -> tuple[jax.Array, "PQLayer"]:
         """Append k, v (float[B, T, Hkv, d]) and attend q float[B, T, H, d].
@@ -142,7 +145,7 @@ class PQCache(ExactWindowCache):
 
         # distinct buffers for every field: a donated pytree must not hold one buffer twice
         layers = PQLayer(k_codes=codes(M, nbits), v_codes=codes(value_M, value_nbits), quantize_all=quantize_all,
-                         impl=impl, **empty_window((num_layers, batch, num_kv_heads), sinks, window, head_dim, dtype))
+                         impl=impl, budgets=(M, nbits, value_M, value_nbits), **empty_window((num_layers, batch, num_kv_heads), sinks, window, head_dim, dtype))
         return cls(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
 
     @classmethod
@@ -159,6 +162,10 @@ class PQCache(ExactWindowCache):
             raise ValueError("PQCache needs its PQCodebooks passed as cache_consts")
         L, _, hkv = self.layers.k_codes.shape[:3]
         cache_consts.check(L, hkv, self.head_dim)
+        books = (cache_consts.key_M, cache_consts.key_nbits, cache_consts.value_M, cache_consts.value_nbits)
+        if self.layers.budgets is not None and tuple(self.layers.budgets) != books:
+            raise ValueError(f"codebooks (key M, nbits, value M, nbits = {books}) do not match the cache "
+                             f"({tuple(self.layers.budgets)})")
         for name, books, codes in (("key", cache_consts.key, self.layers.k_codes),
                                    ("value", cache_consts.value, self.layers.v_codes)):
             m, nb, width = books.num_subspaces, books.nbits, codes.shape[-1]
