@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from million_jax.cache.base import CACHE_DIMS, KVCache, check_cache_args, register_cache
-from million_jax.cache.dense import DenseLayer
+from million_jax.cache.base import KVCache, register_cache
+from million_jax.cache.dense import DenseCache, DenseLayer
 
 __all__ = ["QueryStatsCache", "QueryStatsLayer"]
 
@@ -59,10 +59,7 @@ class QueryStatsCache(KVCache):
     @classmethod
     def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
                dtype: Any = jnp.float32) -> "QueryStatsCache":
-        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        check_cache_args(dict(zip(CACHE_DIMS, shape)), dtype)
-        return cls(layers=QueryStatsLayer(
-            k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-            q_gram=jnp.zeros((num_layers, num_kv_heads, head_dim, head_dim), jnp.float32),
-            q_count=jnp.zeros((num_layers, num_kv_heads), jnp.float32)),
-            lengths=jnp.zeros((batch,), jnp.int32))
+        dense = DenseCache.create(num_layers, batch, num_kv_heads, max_len, head_dim, dtype)
+        gram = jnp.zeros((num_layers, num_kv_heads, head_dim, head_dim), jnp.float32)
+        count = jnp.zeros((num_layers, num_kv_heads), jnp.float32)
+        return cls(layers=QueryStatsLayer(dense.layers.k, dense.layers.v, gram, count), lengths=dense.lengths)
