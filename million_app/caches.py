@@ -6,9 +6,11 @@ accounting every command reports:
 
     bits_per_elem          stored bits per K/V element, every per-token overhead counted:
                            dense: the dtype's bits (16 for bf16, 32 for fp32);
-                           pq: M * nbits / d (the codes; codebooks are counted separately);
+                           pq: (Mk * nbits_k + Mv * nbits_v) / (2 d) (the codes' information;
+                           codebooks are counted separately);
                            uniform: codes + scales + zeros (``UniformCache.bits_per_element``)
-    storage_bits_per_elem  what the arrays hold today (PQ codes padded to uint8/uint16)
+    storage_bits_per_elem  from the bytes the code arrays really hold (codes of nbits < 8 are
+                           packed; 9..12-bit codes sit in uint16)
     cache_bytes            ``cache.nbytes()`` of an empty cache of the shape (the whole
                            state: codes, exact ring and sinks, staging buffers, lengths)
     dense_cache_bytes      a DenseCache of the same shape in the requested dtype
@@ -32,8 +34,7 @@ from million_jax.cache.dense import DenseCache
 from million_jax.cache.spec import CacheSpec, make_cache
 from million_jax.cache.uniform_cache import UniformCache
 from million_jax.pq_codebooks import PQCodebooks
-from million_jax.pq import bits_per_element as pq_bits_per_element
-from million_jax.pq import storage_bits_per_element as pq_storage_bits
+from million_jax.cache.pq_cache import PQCache
 
 KINDS = ("dense", "pq", "uniform")
 PROTOCOLS = ("all", "realistic")
@@ -120,7 +121,9 @@ class CacheChoice:
             return f"dense {self.effective_dtype}"
         if self.kind == "pq":
             b = self.codebooks
-            return f"pq M={b.M} nbits={b.nbits} {b.granularity}"
+            if b.same_budget and b.key_transform is None and b.value_transform is None:
+                return f"pq M={b.key_M} nbits={b.key_nbits} {b.granularity}"
+            return f"pq {b.recipe} {b.granularity}"
         if self.uniform_mode == "kivi":
             return f"uniform kivi int{self.bits} g{self.group_size}"
         return f"uniform token int{self.bits}"
@@ -140,7 +143,10 @@ class CacheChoice:
                    sinks=self.sinks if self.protocol == "realistic" else 0)
         if self.kind == "pq":
             b = self.codebooks
-            out.update(M=b.M, nbits=b.nbits, granularity=b.granularity, codebooks=self.codebooks_path)
+            out.update(M=b.key_M, nbits=b.key_nbits, value_M=b.value_M, value_nbits=b.value_nbits,
+                       query_aware_keys=b.key_transform is not None,
+                       output_aware_values=b.value_transform is not None,
+                       granularity=b.granularity, codebooks=self.codebooks_path)
         else:
             out.update(bits=self.bits, uniform_mode=self.uniform_mode,
                        group_size=self.group_size if self.uniform_mode == "kivi" else None)
@@ -168,14 +174,18 @@ class CacheChoice:
         if self.kind == "dense":
             return float(jnp.dtype(DTYPES[self.effective_dtype]).itemsize * 8)
         if self.kind == "pq":
-            return float(pq_bits_per_element(head_dim, self.codebooks.M, self.codebooks.nbits))
+            return float(self.codebooks.bits_per_elem)
         cache = self._shape_only(head_dim)
         return float(cache.bits_per_element.mean)
 
     def storage_bits_per_elem(self, head_dim: int) -> float:
-        """Bits per element as the arrays store them today (PQ codes in uint8/uint16)."""
+        """Bits per element from the bytes the PQ code arrays hold (packed below 8 bits)."""
         if self.kind == "pq":
-            return float(pq_storage_bits(head_dim, self.codebooks.M, self.codebooks.nbits))
+            b = self.codebooks
+            lay = jax.eval_shape(lambda: PQCache.create(1, 1, 1, 1, head_dim, M=b.key_M, nbits=b.key_nbits,
+                                                        value_M=b.value_M, value_nbits=b.value_nbits)).layers
+            code_bytes = sum(x.shape[-1] * jnp.dtype(x.dtype).itemsize for x in (lay.k_codes, lay.v_codes))
+            return 8.0 * code_bytes / (2 * head_dim)
         return self.bits_per_elem(head_dim)
 
     def _shape_only(self, head_dim: int) -> UniformCache:

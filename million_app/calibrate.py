@@ -13,9 +13,10 @@ import numpy as np
 from million_app.errors import UsageError
 from million_app.progress import bar
 from million_jax.pq_codebooks import PQCodebooks
-from million_jax.calibration import DEFAULT_MAX_VECTORS, collect_kv, fit_kv_codebooks
+from million_jax.cache.query_stats import QueryStatsCache
+from million_jax.calibration import DEFAULT_MAX_VECTORS, collect_kv, collect_query_gram, fit_kv_codebooks
 from million_jax.codebook_io import CodebookFileError, load_kv_codebooks, save_kv_codebooks
-from models import LoadedModel, init_cache, prefill
+from models import LoadedModel, prefill
 
 
 def model_fingerprint(model: LoadedModel) -> str:
@@ -36,22 +37,37 @@ def windows(ids: Sequence[int], window: int, max_tokens: int | None = None) -> n
     return ids[: n * window].reshape(n, window)
 
 
+def collect_model_kvq(model: LoadedModel, ids: Sequence[int], *, window: int = 512, batch: int = 4,
+                      max_tokens: int | None = None, progress: Callable[[int, int], None] | None = None):
+    """Post-RoPE keys / values float32[L, Hkv, N, d] of the model over ``ids``, and the sums of
+    q q^T of the post-RoPE queries per KV head, float64[L, Hkv, d, d], with their counts [L, Hkv]."""
+    c = model.config
+    w = windows(ids, window, max_tokens)
+    ks, vs = [], []
+    gram = np.zeros((c.n_layers, c.n_kv_heads, c.head_dim, c.head_dim))
+    count = np.zeros((c.n_layers, c.n_kv_heads))
+    for i in range(0, len(w), batch):
+        chunk = jnp.asarray(w[i : i + batch])
+        cache = QueryStatsCache.create(c.n_layers, chunk.shape[0], c.n_kv_heads, window, c.head_dim)
+        lengths = jnp.full((chunk.shape[0],), window, jnp.int32)
+        _, cache = prefill(c, model.params, cache, chunk, lengths, last_only=True)
+        k, v = collect_kv(cache)
+        g, n = collect_query_gram(cache)
+        ks.append(k)
+        vs.append(v)
+        gram += g
+        count += n
+        if progress:
+            progress(min(i + batch, len(w)), len(w))
+    return np.concatenate(ks, axis=2), np.concatenate(vs, axis=2), gram, count
+
+
 def collect_model_kv(model: LoadedModel, ids: Sequence[int], *, window: int = 512, batch: int = 4,
                      max_tokens: int | None = None, progress: Callable[[int, int], None] | None = None):
     """Post-RoPE keys/values of the model over ``ids``: float32[L, Hkv, N, d] each."""
-    w = windows(ids, window, max_tokens)
-    ks, vs = [], []
-    for i in range(0, len(w), batch):
-        chunk = jnp.asarray(w[i : i + batch])
-        cache = init_cache(model.config, chunk.shape[0], window, jnp.float32)
-        lengths = jnp.full((chunk.shape[0],), window, jnp.int32)
-        _, cache = prefill(model.config, model.params, cache, chunk, lengths, last_only=True)
-        k, v = collect_kv(cache)
-        ks.append(k)
-        vs.append(v)
-        if progress:
-            progress(min(i + batch, len(w)), len(w))
-    return np.concatenate(ks, axis=2), np.concatenate(vs, axis=2)
+    k, v, _, _ = collect_model_kvq(model, ids, window=window, batch=batch, max_tokens=max_tokens,
+                                   progress=progress)
+    return k, v
 
 
 def calibrate_model(model: LoadedModel, ids: Sequence[int], *, M: int, nbits: int,
@@ -75,10 +91,16 @@ def codebook_metadata(model: LoadedModel, books: PQCodebooks, **extra) -> dict:
         "n_layers": c.n_layers,
         "n_kv_heads": c.n_kv_heads,
         "head_dim": c.head_dim,
-        "M": books.M,
-        "nbits": books.nbits,
+        "M": books.key_M,
+        "nbits": books.key_nbits,
+        "key_M": books.key_M,
+        "key_nbits": books.key_nbits,
+        "value_M": books.value_M,
+        "value_nbits": books.value_nbits,
+        "query_aware_keys": books.key_transform is not None,
+        "output_aware_values": books.value_transform is not None,
         "granularity": books.granularity,
-        "bits_per_elem": books.M * books.nbits / c.head_dim,
+        "bits_per_elem": books.bits_per_elem,
     }
     meta.update(extra)
     return meta
@@ -129,6 +151,14 @@ def meta_source(path: str) -> str:
 def calibration_kv(model: LoadedModel, ids: Sequence[int], *, tokens: int, window: int,
                    batch: int = 4) -> tuple[np.ndarray, np.ndarray, int]:
     """(keys, values, tokens used): post-RoPE K/V of the first ``tokens`` ids, in windows."""
+    k, v, _, _, used = calibration_kvq(model, ids, tokens=tokens, window=window, batch=batch)
+    return k, v, used
+
+
+def calibration_kvq(model: LoadedModel, ids: Sequence[int], *, tokens: int, window: int,
+                    batch: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """(keys, values, query Gram sums, query counts, tokens used) of the first ``tokens`` ids
+    (see :func:`collect_model_kvq`)."""
     if window < 2:
         raise UsageError(f"--window must be >= 2, got {window}")
     use = min(tokens, len(ids))
@@ -143,11 +173,11 @@ def calibration_kv(model: LoadedModel, ids: Sequence[int], *, tokens: int, windo
         pbar.refresh()
 
     try:
-        k, v = collect_model_kv(model, ids, window=window, batch=batch, max_tokens=use,
-                                progress=progress)
+        k, v, gram, count = collect_model_kvq(model, ids, window=window, batch=batch, max_tokens=use,
+                                              progress=progress)
     finally:
         pbar.close()
-    return k, v, n_win * window
+    return k, v, gram, count, n_win * window
 
 
 def fit_model_codebooks(k: np.ndarray, v: np.ndarray, *, M: int, nbits: int, granularity: str,

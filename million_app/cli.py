@@ -74,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--text", required=True, help=TEXT_HELP)
     p.add_argument("--tokens", type=int, default=16384, help="calibration tokens (default 16384)")
+    p.add_argument("--bits", type=int, choices=(1, 2, 3, 4),
+                   help="stored bits per K/V element: picks the best measured recipe (key/value budgets, "
+                        "query-aware keys); not with --M/--nbits")
     p.add_argument("--M", type=int, help="subspaces per head vector (default head_dim/2)")
-    p.add_argument("--nbits", type=int, default=8, help="bits per code, 1..12 (default 8)")
+    p.add_argument("--nbits", type=int, help="bits per code, 1..12 (default 8)")
     p.add_argument("--granularity", choices=("shared", "layer", "layer_head"), default="layer_head",
                    help="one codebook for the model, per layer, or per layer and KV head")
     p.add_argument("--seed", type=int, default=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from million_app import progress
-from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks,
+from million_app.calibrate import (calibration_kvq, codebook_metadata, fit_model_codebooks,
                                    kmeans_problem_summary, model_fingerprint,
                                    save_model_codebooks)
 from million_app.corpus import text_hash
@@ -12,6 +12,7 @@ from million_app.errors import UsageError
 from million_app.flags import cache_spec, check_positive, load_text
 from million_app.loading import model_name, open_model, tokenize
 from million_app.perplexity import evaluate
+from million_app.recipes import fit_recipe, recipe_for_bits
 from million_app.report import check_out_dir, environment, human_bytes, memory_line, write_json
 
 
@@ -24,26 +25,42 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     text = load_text(args.text, "--text")
     model = open_model(args.model)
     d = model.config.head_dim
+    recipe = None
+    if args.bits is not None:
+        if args.M is not None or args.nbits is not None:
+            raise UsageError("--bits picks M and nbits itself: give either --bits or --M/--nbits")
+        recipe = recipe_for_bits(args.bits)
+        recipe.budgets(d)
+    nbits = 8 if args.nbits is None else args.nbits
     M = args.M or d // 2
     if d % M:
         raise UsageError(f"--M {M} does not divide the model's head_dim {d}")
-    if not 1 <= args.nbits <= 12:
-        raise UsageError(f"--nbits must be in 1..12, got {args.nbits}")
+    if not 1 <= nbits <= 12:
+        raise UsageError(f"--nbits must be in 1..12, got {nbits}")
     ids = tokenize(model, text)
     progress.status(f"calibration text {args.text}: {len(ids)} tokens, using up to {args.tokens}")
-    k, v, used = calibration_kv(model, ids, tokens=args.tokens, window=args.window, batch=args.batch)
-    progress.status("k-means: " + kmeans_problem_summary(k.shape, M, args.nbits, args.granularity,
-                                                         args.max_vectors)
-                    + f", {args.iters} iterations")
+    k, v, gram, count, used = calibration_kvq(model, ids, tokens=args.tokens, window=args.window,
+                                              batch=args.batch)
+    if recipe is None:
+        progress.status("k-means: " + kmeans_problem_summary(k.shape, M, nbits, args.granularity,
+                                                             args.max_vectors)
+                        + f", {args.iters} iterations")
+    else:
+        progress.status(f"recipe {recipe.name} for --bits {args.bits}: {recipe}")
     with progress.timed("fitting codebooks") as t:
-        books = fit_model_codebooks(k, v, M=M, nbits=args.nbits, granularity=args.granularity,
-                                    seed=args.seed, iters=args.iters, max_vectors=args.max_vectors)
+        if recipe is None:
+            books = fit_model_codebooks(k, v, M=M, nbits=nbits, granularity=args.granularity,
+                                        seed=args.seed, iters=args.iters, max_vectors=args.max_vectors)
+        else:
+            books = fit_recipe(recipe, model, k, v, gram, count, granularity=args.granularity,
+                               seed=args.seed, iters=args.iters, max_vectors=args.max_vectors)
     meta = codebook_metadata(model, books, calib_text=args.text, calib_text_hash=text_hash(text),
                              calib_tokens=used, calib_window=args.window, seed=args.seed,
                              iters=args.iters, max_vectors=args.max_vectors,
-                             fit_seconds=round(t["seconds"], 2))
+                             fit_seconds=round(t["seconds"], 2),
+                             recipe=recipe.name if recipe else None)
     save_model_codebooks(args.out, books, meta)
-    print(f"wrote {args.out}: M={books.M} nbits={books.nbits} {books.granularity} codebooks "
+    print(f"wrote {args.out}: {books.recipe} {books.granularity} codebooks "
           f"({meta['bits_per_elem']:.2f} bits/elem, {human_bytes(books.nbytes)}) for "
           f"{model_name(model)} from {used} tokens of {args.text}")
     return 0

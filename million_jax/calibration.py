@@ -6,6 +6,11 @@ lives in the CLI layer; this module only needs the filled caches:
     k, v = collect_kv(dense_cache)                 # float32[L, Hkv, N, d] valid tokens only
     books = fit_kv_codebooks(k, v, M=32, nbits=8, granularity="layer_head", key=key)
 
+Keys and values may get their own budgets (``value_M`` / ``value_nbits``) and transforms
+(``key_transform`` A, ``value_transform`` B, float[L, Gt, d, d]; :mod:`million_jax.kv_transforms`):
+the codebooks are then fitted on A k and B v and the returned PQCodebooks carry A and B.
+The query Gram of the query-aware A comes from a filled ``QueryStatsCache`` (``collect_query_gram``).
+
 Sampling: for each k-means problem (one per codebook group and subspace) at
 most ``max_vectors`` vectors are drawn uniformly without replacement from the
 group's pool: all layers and heads for ``shared``, all heads of a layer for
@@ -18,10 +23,12 @@ import jax
 import numpy as np
 
 from million_jax.cache.dense import DenseCache
+from million_jax.cache.query_stats import QueryStatsCache
+from million_jax.kv_transforms import transform_rows
 from million_jax.pq import check_nbits, check_subspaces, fit_codebooks
 from million_jax.pq_codebooks import GRANULARITIES, PQCodebooks
 
-__all__ = ["collect_kv", "fit_kv_codebooks", "DEFAULT_MAX_VECTORS"]
+__all__ = ["collect_kv", "collect_query_gram", "fit_kv_codebooks", "DEFAULT_MAX_VECTORS"]
 
 DEFAULT_MAX_VECTORS = 65536
 
@@ -36,6 +43,13 @@ def collect_kv(cache: DenseCache) -> tuple[np.ndarray, np.ndarray]:
     if not ks:
         raise ValueError("collect_kv: the cache holds no tokens (empty calibration data)")
     return np.concatenate(ks, axis=2), np.concatenate(vs, axis=2)
+
+
+def collect_query_gram(cache: QueryStatsCache) -> tuple[np.ndarray, np.ndarray]:
+    """(q_gram float64[L, Hkv, d, d], q_count float64[L, Hkv]) of a filled QueryStatsCache."""
+    if not isinstance(cache, QueryStatsCache):
+        raise ValueError(f"collect_query_gram needs a QueryStatsCache, got {type(cache).__name__}")
+    return np.asarray(cache.layers.q_gram, np.float64), np.asarray(cache.layers.q_count, np.float64)
 
 
 def _pool(x: np.ndarray, granularity: str) -> np.ndarray:
@@ -70,12 +84,18 @@ def fit_kv_codebooks(
     max_vectors: int = DEFAULT_MAX_VECTORS,
     iters: int = 25,
     chunk_size: int = 8192,
+    value_M: int | None = None,
+    value_nbits: int | None = None,
+    key_transform: np.ndarray | None = None,
+    value_transform: np.ndarray | None = None,
 ) -> PQCodebooks:
     """Fit key and value codebooks from calibration samples.
 
     keys, values: float[L, Hkv, N, d] (post-RoPE keys). Returns PQCodebooks fitted as
     one codebook per model (shared), layer (layer) or layer and KV head (layer_head),
-    laid out per layer: centroids [L, G, M, K, dsub], G = Hkv or 1.
+    laid out per layer: centroids [L, G, M, K, dsub], G = Hkv or 1. M / nbits are the keys'
+    budget, value_M / value_nbits the values' (default: the keys'); transforms see the module
+    docstring.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -83,20 +103,28 @@ def fit_kv_codebooks(
     values = np.asarray(values, np.float32)
     if keys.ndim != 4 or keys.shape != values.shape:
         raise ValueError(f"keys/values must both be [L, Hkv, N, d], got {keys.shape} and {values.shape}")
-    check_nbits(nbits)
-    check_subspaces(keys.shape[-1], M)
+    value_M = M if value_M is None else value_M
+    value_nbits = nbits if value_nbits is None else value_nbits
+    for m, nb in ((M, nbits), (value_M, value_nbits)):
+        check_nbits(nb)
+        check_subspaces(keys.shape[-1], m)
     if keys.shape[2] == 0:
         raise ValueError("fit_kv_codebooks: no calibration vectors (N = 0)")
     for name, arr in (("keys", keys), ("values", values)):
         if not np.isfinite(arr).all():
             raise ValueError(f"fit_kv_codebooks: calibration {name} contain NaN/Inf")
-    need = 2**nbits
-    if max_vectors < need:
-        raise ValueError(f"max_vectors={max_vectors} is below the K=2**{nbits}={need} centroids")
+    for nb in (nbits, value_nbits):
+        if max_vectors < 2**nb:
+            raise ValueError(f"max_vectors={max_vectors} is below the K=2**{nb}={2**nb} centroids")
+    if key_transform is not None:
+        keys = transform_rows(keys, key_transform)
+    if value_transform is not None:
+        values = transform_rows(values, value_transform)
     kk, kv = jax.random.split(key)
     rng = np.random.default_rng(int(jax.random.randint(kk, (), 0, 2**31 - 1)))
     out = []
-    for sub, x in ((kk, keys), (kv, values)):
+    for sub, x, M, nbits in ((kk, keys, M, nbits), (kv, values, value_M, value_nbits)):
+        need = 2**nbits
         pooled = _subsample(_pool(x, granularity), max_vectors, rng)
         if pooled.shape[-2] < need:
             raise ValueError(
@@ -104,4 +132,5 @@ def fit_kv_codebooks(
                 f"K=2**{nbits}={need}; use more calibration tokens or fewer bits"
             )
         out.append(fit_codebooks(pooled, M, nbits, key=sub, iters=iters, chunk_size=chunk_size))
-    return PQCodebooks.from_centroids(out[0].centroids, out[1].centroids, granularity, num_layers=keys.shape[0])
+    books = PQCodebooks.from_centroids(out[0].centroids, out[1].centroids, granularity, num_layers=keys.shape[0])
+    return books.with_transforms(key_transform, value_transform)

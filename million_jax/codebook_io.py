@@ -1,7 +1,9 @@
 """Save and load PQ codebooks: safetensors tensors + JSON metadata (never pickle).
 
 ``save_kv_codebooks`` / ``load_kv_codebooks`` do this for a model's ``PQCodebooks`` (key and
-value, in their fitted form, the granularity in the metadata).
+value, in their fitted form, each with its own M / nbits, the granularity in the metadata, and
+the optional key / value transforms float32[L, Gt, d, d] as extra tensors ``key_transform`` /
+``value_transform``; their inverses are recomputed on load).
 
 File layout: one tensor per named codebook set (e.g. ``"key"`` and ``"value"``),
 each float32[*G, M, K, dsub]; the safetensors header metadata holds one entry
@@ -22,7 +24,8 @@ from million_jax.pq import Codebooks
 from million_jax.pq_codebooks import PQCodebooks
 
 FORMAT = "million-jax-codebooks"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 2 added optional extra tensors (header "extras")
 _META_KEY = "million_jax"
 
 
@@ -34,8 +37,9 @@ def save_codebooks(
     path: str | os.PathLike,
     codebooks: Mapping[str, Codebooks],
     metadata: Mapping[str, Any] | None = None,
+    extras: Mapping[str, np.ndarray] | None = None,
 ) -> None:
-    """Write named codebooks and JSON-serialisable ``metadata`` to ``path``."""
+    """Write named codebooks, extra float32 tensors and JSON-serialisable ``metadata`` to ``path``."""
     from safetensors.numpy import save_file
 
     if not codebooks:
@@ -52,7 +56,14 @@ def save_codebooks(
             "dsub": cb.dsub,
             "group_shape": list(cb.group_shape),
         }
-    header = {"format": FORMAT, "version": VERSION, "codebooks": entries, "user": dict(metadata or {})}
+    extra_shapes: dict[str, list[int]] = {}
+    for name, arr in (extras or {}).items():
+        if name in tensors:
+            raise ValueError(f"save_codebooks: extra tensor {name!r} clashes with a codebook name")
+        tensors[name] = np.ascontiguousarray(np.asarray(arr, dtype=np.float32))
+        extra_shapes[name] = list(tensors[name].shape)
+    header = {"format": FORMAT, "version": VERSION, "codebooks": entries, "extras": extra_shapes,
+              "user": dict(metadata or {})}
     try:
         text = json.dumps(header, sort_keys=True)
     except TypeError as e:
@@ -67,7 +78,17 @@ def load_codebooks(
     path: str | os.PathLike,
     expect: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Codebooks], dict[str, Any]]:
-    """Read codebooks written by :func:`save_codebooks`.
+    """(codebooks by name, user metadata) of a file of :func:`save_codebooks` (extras dropped;
+    see :func:`load_codebook_file`)."""
+    books, _, user = load_codebook_file(path, expect)
+    return books, user
+
+
+def load_codebook_file(
+    path: str | os.PathLike,
+    expect: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Codebooks], dict[str, np.ndarray], dict[str, Any]]:
+    """Read codebooks and extra tensors written by :func:`save_codebooks`.
 
     Args:
       path: the .safetensors file.
@@ -76,7 +97,7 @@ def load_codebooks(
         the saved user metadata (e.g. ``{"model_fingerprint": ...}``).
 
     Returns:
-      (codebooks by name, user metadata)
+      (codebooks by name, extra tensors by name, user metadata)
     Raises:
       CodebookFileError naming the file and the first mismatch.
     """
@@ -101,12 +122,22 @@ def load_codebooks(
         raise CodebookFileError(f"{path}: metadata is not valid JSON: {e}") from None
     if header.get("format") != FORMAT:
         raise CodebookFileError(f"{path}: unknown format {header.get('format')!r}")
-    if header.get("version") != VERSION:
-        raise CodebookFileError(f"{path}: format version {header.get('version')} (this code reads {VERSION})")
+    if header.get("version") not in READABLE_VERSIONS:
+        raise CodebookFileError(f"{path}: format version {header.get('version')} (this code reads "
+                                f"{', '.join(map(str, READABLE_VERSIONS))})")
 
     entries = header.get("codebooks", {})
-    if set(entries) != set(names):
-        raise CodebookFileError(f"{path}: tensors {sorted(names)} do not match metadata {sorted(entries)}")
+    extra_shapes = header.get("extras", {})
+    if set(entries) | set(extra_shapes) != set(names) or set(entries) & set(extra_shapes):
+        raise CodebookFileError(f"{path}: tensors {sorted(names)} do not match metadata "
+                                f"{sorted(entries) + sorted(extra_shapes)}")
+    extras: dict[str, np.ndarray] = {}
+    for name, shape in extra_shapes.items():
+        arr = tensors.pop(name)
+        if list(arr.shape) != list(shape) or arr.dtype != np.float32 or not np.isfinite(arr).all():
+            raise CodebookFileError(f"{path}: extra tensor {name!r} is not finite float32{list(shape)} "
+                                    f"(got {arr.dtype}{list(arr.shape)})")
+        extras[name] = arr
     out: dict[str, Codebooks] = {}
     for name, arr in tensors.items():
         e = entries[name]
@@ -134,7 +165,10 @@ def load_codebooks(
             raise CodebookFileError(
                 f"{path}: metadata {field}={user.get(field)!r} does not match expected {exp!r}"
             )
-    return out, user
+    return out, extras, user
+
+
+_KV_EXTRAS = ("key_transform", "value_transform")
 
 
 def save_kv_codebooks(path: str | os.PathLike, books: PQCodebooks,
@@ -143,7 +177,8 @@ def save_kv_codebooks(path: str | os.PathLike, books: PQCodebooks,
     key, value = books.compact()
     meta = dict(metadata or {})
     meta.update(granularity=books.granularity, n_layers=books.num_layers)
-    save_codebooks(path, {"key": key, "value": value}, meta)
+    extras = {name: np.asarray(getattr(books, name)) for name in _KV_EXTRAS if getattr(books, name) is not None}
+    save_codebooks(path, {"key": key, "value": value}, meta, extras)
 
 
 def load_kv_codebooks(path: str | os.PathLike, expect: Mapping[str, Any] | None = None,
@@ -152,12 +187,15 @@ def load_kv_codebooks(path: str | os.PathLike, expect: Mapping[str, Any] | None 
 
     ``expect`` as for :func:`load_codebooks`. Raises CodebookFileError on any mismatch.
     """
-    tensors, meta = load_codebooks(path, expect)
+    tensors, extras, meta = load_codebook_file(path, expect)
     if set(tensors) != {"key", "value"}:
         raise CodebookFileError(f"{os.fspath(path)}: expected 'key' and 'value' codebooks, found {sorted(tensors)}")
+    if set(extras) - set(_KV_EXTRAS):
+        raise CodebookFileError(f"{os.fspath(path)}: unknown extra tensors {sorted(set(extras) - set(_KV_EXTRAS))}")
     try:
         books = PQCodebooks.from_centroids(tensors["key"].centroids, tensors["value"].centroids,
                                            meta.get("granularity"), num_layers=meta.get("n_layers"))
+        books = books.with_transforms(extras.get("key_transform"), extras.get("value_transform"))
     except ValueError as e:
         raise CodebookFileError(f"{os.fspath(path)}: {e}") from None
     return books, meta

@@ -6,7 +6,8 @@ goes to the fused Pallas decode kernel (:func:`pallas_kernels.pq_decode_attentio
 
 * the call is a decode step (one query token per sequence: T == 1), and
 * the kernel supports the shapes and dtypes (uint8 codes, power-of-two d / M / dsub, ...;
-  :func:`pallas_kernels.pq_kernel_unsupported_reason`), and
+  :func:`pallas_kernels.pq_kernel_unsupported_reason`; not: codes packed below 8 bits, or
+  keys and values with different M: :func:`dispatch_blocker`), and
 * ``impl == "pallas"`` (interpret mode off GPU: tests), or ``impl == "auto"`` on a GPU;
 
 and otherwise to the pure-jnp tiled path (:func:`million_jax.pq_attention.pq_attention`).
@@ -27,10 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from million_jax.code_packing import is_packed
 from million_jax.pq_attention import pq_attention
 from pallas_kernels import pq_decode_attention, pq_kernel_unsupported_reason
 
-__all__ = ["IMPLS", "KernelMesh", "check_impl", "pq_code_attention", "use_kernel"]
+__all__ = ["IMPLS", "KernelMesh", "check_impl", "dispatch_blocker", "pq_code_attention", "use_kernel"]
 
 IMPLS = ("auto", "xla", "pallas")
 
@@ -55,12 +57,30 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def dispatch_blocker(k_codes, v_codes, k_books, v_books) -> str | None:
+    """Why the kernel cannot read these codes as stored (None: nothing here stops it).
+
+    The kernel reads one code per uint8/uint16 element and one M for keys and values; packed
+    sub-byte codes and different key / value M take the xla path, which handles both.
+    """
+    for name, codes, books in (("key", k_codes, k_books), ("value", v_codes, v_books)):
+        nbits = int(books.shape[2]).bit_length() - 1
+        if is_packed(codes.shape[-1], books.shape[1], nbits):
+            return (f"{name} codes are packed at {nbits} bits ({codes.shape[-1]} bytes for M={books.shape[1]}); "
+                    "the kernel reads one code per byte: use the xla path or PQCache.create(pack=False)")
+    if k_books.shape[1] != v_books.shape[1]:
+        return (f"keys and values have different M ({k_books.shape[1]} vs {v_books.shape[1]}); the kernel "
+                "takes one M for both")
+    return None
+
+
 def use_kernel(impl: str, q: jax.Array, k_codes, v_codes, k_books, v_books, lo, hi) -> bool:
     """Whether this call goes to the Pallas kernel (see the module docstring)."""
     check_impl(impl)
     if impl == "xla" or q.shape[1] != 1:
         return False  # the kernel is a decode kernel: prefill always takes the xla path
-    blocker = pq_kernel_unsupported_reason(q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0], hi[:, 0])
+    blocker = dispatch_blocker(k_codes, v_codes, k_books, v_books) or pq_kernel_unsupported_reason(
+        q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0], hi[:, 0])
     if impl == "pallas" and blocker:
         raise ValueError(f"impl='pallas' cannot run: {blocker}")
     return blocker is None and (impl == "pallas" or _on_gpu())

@@ -13,8 +13,10 @@ way a matmul unit likes. The LUT / gather math is :mod:`pallas_kernels.pq_math`.
 
 Shapes (one layer):
     q:            float[B, T, H, d]
-    k_codes:      uint8|uint16[B, Hkv, N, M]   (v_codes alike)
-    k_centroids:  float[G, M, K, dsub], G in {1, Hkv}   (v_centroids alike)
+    k_codes:      uint8|uint16[B, Hkv, N, Mk], or packed uint8[B, Hkv, N, ceil(Mk * nbits / 8)]
+                  (:mod:`million_jax.code_packing`; unpacked here one tile at a time)
+    v_codes:      alike with Mv (keys and values may have different M and nbits)
+    k_centroids:  float[G, Mk, Kk, d / Mk], G in {1, Hkv}   (v_centroids: [G, Mv, Kv, d / Mv])
     lo, hi:       int32[B, T]   query t of sequence b sees tokens lo <= s < hi
 Returns (out float32[B, T, H, d], lse float32[B, T, H]); 0 / -inf when a query sees no token.
 """
@@ -25,6 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from million_jax.code_packing import is_packed, maybe_unpack
 from million_jax.tiling import tiled_attention
 from pallas_kernels.pq_math import build_lut, gather_centroids, lut_scores
 from pallas_kernels.softmax import einsum_f32, group_heads
@@ -50,10 +53,22 @@ def pq_attention(
 ) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of q over tokens stored as PQ codes (see module docstring)."""
     b, t, h, d = q.shape
-    hkv, n, m = k_codes.shape[1:]
-    g, m_cb, kc, dsub = k_centroids.shape
-    if m_cb != m or m * dsub != d:
-        raise ValueError(f"codebook [G={g}, M={m_cb}, K={kc}, dsub={dsub}] does not fit codes M={m}, d={d}")
+    hkv = k_codes.shape[1]
+    for name, codes, cb in (("key", k_codes, k_centroids), ("value", v_codes, v_centroids)):
+        g, m_cb, kc, dsub = cb.shape
+        nbits = int(kc).bit_length() - 1
+        try:
+            is_packed(codes.shape[-1], m_cb, nbits)
+        except ValueError as e:
+            raise ValueError(f"{name} codebook [G={g}, M={m_cb}, K={kc}, dsub={dsub}] does not fit its codes: "
+                             f"{e}") from None
+        if m_cb * dsub != d:
+            raise ValueError(f"{name} codebook [G={g}, M={m_cb}, K={kc}, dsub={dsub}] does not fit d={d}")
+    if v_codes.shape[:3] != k_codes.shape[:3]:
+        raise ValueError(f"key codes {k_codes.shape} and value codes {v_codes.shape} differ in [B, Hkv, N]")
+    n = k_codes.shape[2]
+    unpack_k = lambda c: maybe_unpack(c, k_centroids.shape[1], int(k_centroids.shape[2]).bit_length() - 1)  # noqa: E731
+    unpack_v = lambda c: maybe_unpack(c, v_centroids.shape[1], int(v_centroids.shape[2]).bit_length() - 1)  # noqa: E731
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = group_heads(q.astype(jnp.float32), hkv)  # [B, Hkv, G, T, d]
     grp = h // hkv
@@ -61,7 +76,7 @@ def pq_attention(
     lut = build_lut(qg.reshape(b, hkv, grp * t, d), k_centroids) if t <= LUT_MAX_QUERIES else None
 
     def tile_fn(parts, rows):
-        kc_tile, vc_tile = parts
+        kc_tile, vc_tile = unpack_k(parts[0]), unpack_v(parts[1])
         if lut is not None:
             scores = lut_scores(lut, kc_tile).reshape(b, hkv, grp, t, -1)
         else:

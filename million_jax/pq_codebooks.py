@@ -10,6 +10,14 @@ Whatever the granularity, a ``PQCodebooks`` holds them as float32[L, G, M, K, ds
 G = Hkv (layer_head) or 1 (shared, layer), so the model scans them with its layers and every
 attention path reads ``[G, M, K, dsub]`` per layer, without reshaping or re-checking per call.
 ``compact()`` gives back the fitted form (what a codebook file stores).
+
+Keys and values may have their own budgets (M and nbits each; same granularity). Optional
+per-layer transforms (:mod:`million_jax.kv_transforms`), float32[L, Gt, d, d], Gt in {1, Hkv}:
+
+    key_transform     A: keys are encoded as A k; query_transform = A^-T maps the query
+    value_transform   B: values are encoded as B v; output_transform = B^-1 maps the output
+
+Build them with :meth:`PQCodebooks.with_transforms` (the inverses are computed there, once).
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from million_jax.kv_transforms import check_transform, inverse, inverse_transpose
 from million_jax.pq import Codebooks
 
 __all__ = ["PQCodebooks", "GRANULARITIES"]
@@ -47,14 +56,23 @@ def _normalise(c, granularity: str, num_layers: int | None) -> jax.Array:
     return c
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value"], meta_fields=["granularity"])
+_TRANSFORMS = ("key_transform", "query_transform", "value_transform", "output_transform")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value", *_TRANSFORMS],
+                   meta_fields=["granularity"])
 @dataclasses.dataclass(frozen=True)
 class PQCodebooks:
-    """key / value: Codebooks with centroids float32[L, G, M, K, dsub] ([G, M, K, dsub] per layer)."""
+    """key / value: Codebooks with centroids float32[L, G, M, K, dsub] ([G, M, K, dsub] per layer);
+    the four transforms None or float32[L, Gt, d, d] ([Gt, d, d] per layer)."""
 
     key: Codebooks
     value: Codebooks
     granularity: str = "layer_head"
+    key_transform: jax.Array | None = None
+    query_transform: jax.Array | None = None
+    value_transform: jax.Array | None = None
+    output_transform: jax.Array | None = None
 
     @classmethod
     def from_centroids(cls, key, value, granularity: str = "layer_head", num_layers: int | None = None) -> "PQCodebooks":
@@ -66,12 +84,24 @@ class PQCodebooks:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         k = _normalise(key, granularity, num_layers)
         v = _normalise(value, granularity, num_layers)
-        if k.shape != v.shape:
-            raise ValueError(f"key and value codebooks differ in shape: {k.shape} vs {v.shape}")
+        if k.shape[:2] != v.shape[:2] or k.shape[2] * k.shape[4] != v.shape[2] * v.shape[4]:
+            raise ValueError(f"key and value codebooks do not fit one model: {k.shape} vs {v.shape} "
+                             "([L, G, M, K, dsub] with the same L, G and M * dsub)")
         books = cls(Codebooks(k), Codebooks(v), granularity)
         books.key.validate()
         books.value.validate()
         return books
+
+    def with_transforms(self, key_transform=None, value_transform=None) -> "PQCodebooks":
+        """These codebooks with key / value transforms float[L, Gt, d, d] (None: identity)."""
+        kw = {}
+        if key_transform is not None:
+            a = check_transform(key_transform, self.num_layers, self.head_dim, "key_transform")
+            kw.update(key_transform=a, query_transform=jnp.asarray(inverse_transpose(a)))
+        if value_transform is not None:
+            b = check_transform(value_transform, self.num_layers, self.head_dim, "value_transform")
+            kw.update(value_transform=b, output_transform=jnp.asarray(inverse(b)))
+        return dataclasses.replace(self, **kw)
 
     def compact(self) -> tuple[Codebooks, Codebooks]:
         """(key, value) in the fitted form of the granularity (what a codebook file holds)."""
@@ -83,12 +113,55 @@ class PQCodebooks:
         return Codebooks(cut(self.key.centroids)), Codebooks(cut(self.value.centroids))
 
     @property
-    def M(self) -> int:
+    def key_M(self) -> int:
         return self.key.num_subspaces
 
     @property
-    def nbits(self) -> int:
+    def value_M(self) -> int:
+        return self.value.num_subspaces
+
+    @property
+    def key_nbits(self) -> int:
         return self.key.nbits
+
+    @property
+    def value_nbits(self) -> int:
+        return self.value.nbits
+
+    @property
+    def same_budget(self) -> bool:
+        """Whether keys and values use the same M and nbits."""
+        return (self.key_M, self.key_nbits) == (self.value_M, self.value_nbits)
+
+    @property
+    def M(self) -> int:
+        """The M of keys and values (ValueError when they differ: use key_M / value_M)."""
+        if self.key_M != self.value_M:
+            raise ValueError(f"keys and values have different M ({self.key_M}, {self.value_M}): use key_M / value_M")
+        return self.key_M
+
+    @property
+    def nbits(self) -> int:
+        """The nbits of keys and values (ValueError when they differ: use key_nbits / value_nbits)."""
+        if self.key_nbits != self.value_nbits:
+            raise ValueError(f"keys and values have different nbits ({self.key_nbits}, {self.value_nbits}): "
+                             "use key_nbits / value_nbits")
+        return self.key_nbits
+
+    @property
+    def bits_per_elem(self) -> float:
+        """Bits of information per key/value element, keys and values together."""
+        return (self.key_M * self.key_nbits + self.value_M * self.value_nbits) / (2 * self.head_dim)
+
+    @property
+    def recipe(self) -> str:
+        """A short name of the budget and transforms, e.g. ``K32x8 V16x8 qa``."""
+        name = f"K{self.key_M}x{self.key_nbits} V{self.value_M}x{self.value_nbits}"
+        if self.key_transform is not None:
+            name += " qa"
+        if self.value_transform is not None:
+            name += " ow"
+        return name
 
     @property
     def head_dim(self) -> int:
@@ -101,10 +174,15 @@ class PQCodebooks:
     @property
     def nbytes(self) -> int:
         """Bytes of the distinct centroids (the fitted form; what a file or a device shard needs)."""
-        shape = self.key.centroids.shape  # [L, G, M, K, dsub]
-        per_layer = int(np.prod(shape[1:]))
-        layers = 1 if self.granularity == "shared" else shape[0]
-        return 2 * layers * per_layer * jnp.dtype(self.key.centroids.dtype).itemsize
+        layers = 1 if self.granularity == "shared" else self.num_layers
+        total = 0
+        for c in (self.key.centroids, self.value.centroids):  # [L, G, M, K, dsub]
+            total += layers * int(np.prod(c.shape[1:])) * jnp.dtype(c.dtype).itemsize
+        for name in ("key_transform", "value_transform"):  # stored; inverses derived on load
+            t = getattr(self, name)
+            if t is not None:
+                total += int(np.prod(t.shape)) * jnp.dtype(t.dtype).itemsize
+        return total
 
     def check(self, num_layers: int, num_kv_heads: int, head_dim: int) -> "PQCodebooks":
         """Raise a clear ValueError unless these codebooks fit the given model shape."""
@@ -115,4 +193,10 @@ class PQCodebooks:
             raise ValueError(f"codebooks have {g} head groups, the model has {num_kv_heads} KV heads")
         if self.head_dim != head_dim:
             raise ValueError(f"codebooks are for head_dim {self.head_dim}, the model has {head_dim}")
+        for name in _TRANSFORMS:
+            t = getattr(self, name)
+            if t is not None and (t.shape[0] != l or t.shape[1] not in (1, num_kv_heads)
+                                  or t.shape[2:] != (head_dim, head_dim)):
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [L={l}, 1 or Hkv={num_kv_heads}, "
+                                 f"{head_dim}, {head_dim}]")
         return self

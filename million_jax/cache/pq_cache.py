@@ -3,6 +3,9 @@
 State (``PQLayer``, stacked over layers; a registered dataclass pytree donated across steps):
 
     k_codes, v_codes:  uint8|uint16[L, B, Hkv, T_max, M]  every token, encoded at append
+                       (M and nbits of keys and values may differ; codes of nbits < 8 are
+                       packed at their real width: uint8[..., ceil(M * nbits / 8)], see
+                       :mod:`million_jax.code_packing`)
     sink_k, sink_v:    float[L, B, Hkv, S, d]              first S tokens, exact
     ring_k, ring_v:    float[L, B, Hkv, W, d]              last W tokens, exact (slot = pos % W)
     lengths:           int32[B]                            (on the PQCache)
@@ -11,6 +14,11 @@ Codebooks are NOT part of the state: they are a separate, constant
 :class:`~million_jax.pq_codebooks.PQCodebooks` passed as ``cache_consts`` (so donating the
 cache never donates them), already laid out per layer. Keys are encoded after RoPE, so
 q . k is a LUT sum.
+
+Key / value transforms of the codebooks (query-aware keys, output-aware values;
+:mod:`million_jax.kv_transforms`) are applied here and only here: new keys / values are
+mapped before encoding, the query before the code attention and the code attention's output
+after it, so the attention paths and the kernel see plain PQ.
 
 Each appended token is encoded once (constant cost per step, no flush spikes). Attention
 (see :mod:`million_jax.cache.window`) reads sinks and the sliding window of the last W
@@ -34,7 +42,9 @@ import jax.numpy as jnp
 
 from million_jax.cache.base import CACHE_DIMS, check_cache_args, register_cache, token_rows, write_rows
 from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
+from million_jax.code_packing import is_packed, pack_codes, stored_width
 from million_jax.kernel_dispatch import KernelMesh, check_impl, pq_code_attention
+from million_jax.kv_transforms import apply_head_transform
 from million_jax.pq import Codebooks, code_dtype, encode
 from million_jax.pq_codebooks import PQCodebooks
 from pallas_kernels.softmax import merge_partials
@@ -45,7 +55,7 @@ __all__ = ["PQCache", "PQLayer"]
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["k_codes", "v_codes", "sink_k", "sink_v", "ring_k", "ring_v"],
-    meta_fields=["quantize_all", "impl", "mesh"],
+    meta_fields=["quantize_all", "impl", "mesh", "budgets"],
 )
 @dataclasses.dataclass(frozen=True)
 class PQLayer(ExactWindowLayer):
@@ -60,6 +70,9 @@ class PQLayer(ExactWindowLayer):
     quantize_all: bool = False
     impl: str = "auto"
     mesh: KernelMesh | None = None
+    # (key M, key nbits, value M, value nbits) the codes were made for (None: not recorded);
+    # a packed width alone cannot tell 4 x 3-bit codes from 2 x 5-bit ones
+    budgets: tuple[int, int, int, int] | None = None
 
     def attend(self, consts: PQCodebooks, q, k, v, lengths, n_new) -> tuple[jax.Array, "PQLayer"]:
         """Append k, v (float[B, T, Hkv, d]) and attend q float[B, T, H, d].
@@ -72,19 +85,30 @@ class PQLayer(ExactWindowLayer):
         # Tokens that would land past T_max are dropped everywhere (codes, ring, sinks).
         n_new = jnp.clip(jnp.minimum(n_new, t_max - lengths), 0)
         pos, rows = token_rows(lengths, n_new, t, t_max)
-        new_kc = jnp.swapaxes(encode(Codebooks(kcb), jnp.swapaxes(k, 1, 2)), 1, 2)  # [B, T, Hkv, M]
-        new_vc = jnp.swapaxes(encode(Codebooks(vcb), jnp.swapaxes(v, 1, 2)), 1, 2)
+        new_kc = _encode(consts.key, k, consts.key_transform, self.k_codes.shape[-1])
+        new_vc = _encode(consts.value, v, consts.value_transform, self.v_codes.shape[-1])
         written = self.write_exact(k, v, lengths, n_new)
         new = dataclasses.replace(
             self, k_codes=write_rows(self.k_codes, rows, new_kc), v_codes=write_rows(self.v_codes, rows, new_vc),
             **written,
         )
         lo, hi = self.code_region(pos, lengths + n_new)
-        out, lse = pq_code_attention(q, new.k_codes, new.v_codes, kcb, vcb, lo, hi, impl=self.impl, mesh=self.mesh)
+        qc = q if consts.query_transform is None else apply_head_transform(q, consts.query_transform)
+        out, lse = pq_code_attention(qc, new.k_codes, new.v_codes, kcb, vcb, lo, hi, impl=self.impl, mesh=self.mesh)
+        if consts.output_transform is not None:
+            out = apply_head_transform(out, consts.output_transform)
         if self.has_exact:
             out_e, lse_e = self.exact_attention(q, written, k, v, lengths, n_new)
             out, _ = merge_partials([out, out_e], [lse, lse_e])
         return out.astype(q.dtype), new
+
+
+def _encode(books: Codebooks, x: jax.Array, transform: jax.Array | None, width: int) -> jax.Array:
+    """x float[B, T, Hkv, d] -> codes [B, T, Hkv, width] (transformed first, packed if width says so)."""
+    if transform is not None:
+        x = apply_head_transform(x, transform)
+    codes = jnp.swapaxes(encode(Codebooks(books.centroids), jnp.swapaxes(x, 1, 2)), 1, 2)
+    return pack_codes(codes, books.nbits) if is_packed(width, books.num_subspaces, books.nbits) else codes
 
 
 @register_cache
@@ -98,17 +122,30 @@ class PQCache(ExactWindowCache):
     @classmethod
     def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, *,
                M: int, nbits: int, window: int = 0, sinks: int = 0, dtype: Any = jnp.bfloat16,
-               quantize_all: bool = False, impl: str = "auto") -> "PQCache":
-        """An empty cache; ``window`` (W) and ``sinks`` (S) may be 0."""
+               quantize_all: bool = False, impl: str = "auto", value_M: int | None = None,
+               value_nbits: int | None = None, pack: bool = True) -> "PQCache":
+        """An empty cache; ``window`` (W) and ``sinks`` (S) may be 0.
+
+        M / nbits are the keys' budget; value_M / value_nbits the values' (default: the keys').
+        ``pack``: codes of nbits < 8 stored packed at their real width (else one per byte).
+        """
         check_cache_args(dict(zip(CACHE_DIMS, (num_layers, batch, num_kv_heads, max_len, head_dim))), dtype,
                          window, sinks)
-        if head_dim % M:
-            raise ValueError(f"head_dim {head_dim} is not divisible by M={M}")
+        value_M = M if value_M is None else value_M
+        value_nbits = nbits if value_nbits is None else value_nbits
+        for name, m in (("M", M), ("value_M", value_M)):
+            if head_dim % m:
+                raise ValueError(f"head_dim {head_dim} is not divisible by {name}={m}")
         check_impl(impl)
-        codes = (num_layers, batch, num_kv_heads, max_len, M)
+        lead = (num_layers, batch, num_kv_heads, max_len)
+
+        def codes(m: int, nb: int) -> jax.Array:
+            width = stored_width(m, nb, pack)
+            return jnp.zeros(lead + (width,), jnp.uint8 if width != m else code_dtype(nb))
+
         # distinct buffers for every field: a donated pytree must not hold one buffer twice
-        layers = PQLayer(k_codes=jnp.zeros(codes, code_dtype(nbits)), v_codes=jnp.zeros(codes, code_dtype(nbits)), quantize_all=quantize_all, impl=impl,
-                         **empty_window((num_layers, batch, num_kv_heads), sinks, window, head_dim, dtype))
+        layers = PQLayer(k_codes=codes(M, nbits), v_codes=codes(value_M, value_nbits), quantize_all=quantize_all,
+                         impl=impl, budgets=(M, nbits, value_M, value_nbits), **empty_window((num_layers, batch, num_kv_heads), sinks, window, head_dim, dtype))
         return cls(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
 
     @classmethod
@@ -116,17 +153,28 @@ class PQCache(ExactWindowCache):
         """An empty cache whose L / M / nbits / head_dim match ``codebooks`` (checked)."""
         codebooks.check(codebooks.num_layers, num_kv_heads, codebooks.head_dim)
         return cls.create(codebooks.num_layers, batch, num_kv_heads, max_len, codebooks.head_dim,
-                          M=codebooks.M, nbits=codebooks.nbits, **kw)
+                          M=codebooks.key_M, nbits=codebooks.key_nbits, value_M=codebooks.value_M,
+                          value_nbits=codebooks.value_nbits, **kw)
 
     def layer_consts(self, cache_consts: PQCodebooks | None = None) -> PQCodebooks:
         """The codebooks, checked against this cache (they are scanned with the layers)."""
         if not isinstance(cache_consts, PQCodebooks):
             raise ValueError("PQCache needs its PQCodebooks passed as cache_consts")
-        L, _, hkv, _, M = self.layers.k_codes.shape
+        L, _, hkv = self.layers.k_codes.shape[:3]
         cache_consts.check(L, hkv, self.head_dim)
-        if cache_consts.M != M or code_dtype(cache_consts.nbits) != self.layers.k_codes.dtype:
-            raise ValueError(
-                f"codebooks (M={cache_consts.M}, nbits={cache_consts.nbits}) do not match the cache "
-                f"(M={M}, codes {self.layers.k_codes.dtype})"
-            )
+        books = (cache_consts.key_M, cache_consts.key_nbits, cache_consts.value_M, cache_consts.value_nbits)
+        if self.layers.budgets is not None and tuple(self.layers.budgets) != books:
+            raise ValueError(f"codebooks (key M, nbits, value M, nbits = {books}) do not match the cache "
+                             f"({tuple(self.layers.budgets)})")
+        for name, books, codes in (("key", cache_consts.key, self.layers.k_codes),
+                                   ("value", cache_consts.value, self.layers.v_codes)):
+            m, nb, width = books.num_subspaces, books.nbits, codes.shape[-1]
+            try:
+                packed = is_packed(width, m, nb)
+            except ValueError as e:
+                raise ValueError(f"{name} codebooks (M={m}, nbits={nb}) do not match the cache: {e}") from None
+            want = jnp.dtype(jnp.uint8) if packed else code_dtype(nb)
+            if codes.dtype != want:
+                raise ValueError(f"{name} codebooks (M={m}, nbits={nb}) do not match the cache "
+                                 f"(codes {codes.dtype}[..., {width}])")
         return cache_consts

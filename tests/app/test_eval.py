@@ -95,9 +95,10 @@ def test_pq_all_vs_realistic(cli, tiny_dir, codebooks, tmp_path):
     np.testing.assert_allclose(runs["exact"]["nll"], runs["dense"]["nll"], rtol=1e-5)
     r = runs["all"]
     assert (r["protocol"], r["M"], r["nbits"], r["granularity"]) == ("all", 8, 6, "layer_head")
-    assert r["bits_per_elem"] == 8 * 6 / 16 and r["storage_bits_per_elem"] == 4.0
-    # codes only: 2 (K, V) * L * Hkv * T * M bytes + lengths; dense float32 for comparison
-    assert r["cache_bytes"] == 2 * 2 * 2 * 64 * 8 + 4
+    # 6-bit codes are packed: 8 codes in 6 bytes, so the stored bits are the real ones
+    assert r["bits_per_elem"] == 8 * 6 / 16 and r["storage_bits_per_elem"] == 3.0
+    # codes only: 2 (K, V) * L * Hkv * T * (8 * 6 / 8 bytes) + lengths; dense float32 for comparison
+    assert r["cache_bytes"] == 2 * 2 * 2 * 64 * 6 + 4
     assert r["dense_cache_bytes"] == 2 * 2 * 2 * 64 * 16 * 4 + 4
     assert r["codebook_bytes"] == 2 * 2 * 2 * 8 * 64 * 2 * 4
     assert runs["exact"]["recent"] == 64 and runs["exact"]["cache_bytes"] > r["cache_bytes"]

@@ -1,0 +1,88 @@
+"""Perplexity of PQ recipes (query-aware keys, output-aware values, key/value budgets).
+
+    PYTHONPATH=. python benchmarks/recipes.py --out benchmarks/results/recipes_smollm2 \
+        --recipes pq4,pq4-qa,pq4-qa-ow,pq2,pq2-qa,pq2-qa-ow
+
+Calibration K/V and query statistics are collected once; every recipe is fitted from the same
+samples and evaluated on the same windows next to the dense cache of the same run. Writes
+results.json / results.md after every recipe.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from million_app.caches import CacheChoice
+from million_app.calibrate import calibration_kvq
+from million_app.flags import load_text
+from million_app.loading import open_model, tokenize
+from million_app.perplexity import evaluate
+from million_app.recipes import RECIPES, fit_recipe
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--calib", default="builtin:calib")
+    p.add_argument("--text", default="builtin:eval")
+    p.add_argument("--out", required=True)
+    p.add_argument("--recipes", default="pq4,pq4-qa")
+    p.add_argument("--calib-tokens", type=int, default=16384)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--max-vectors", type=int, default=4096)
+    p.add_argument("--protocol", default="all")
+    p.add_argument("--no-dense", action="store_true")
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    model = open_model(a.model)
+    eval_ids = tokenize(model, load_text(a.text, "--text"))
+    calib_ids = tokenize(model, load_text(a.calib, "--calib"))
+    res = {"settings": vars(a), "rows": []}
+    path = os.path.join(a.out, "results.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            res["rows"] = json.load(f)["rows"]
+
+    def save() -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=1)
+        dense = next((r["ppl"] for r in res["rows"] if r["recipe"] == "dense"), None)
+        lines = ["| recipe | bits/elem (stored) | ppl | vs dense | fit s |", "|---|---|---|---|---|"]
+        for r in res["rows"]:
+            vs = f"{100 * (r['ppl'] / dense - 1):+.1f}%" if dense and r["recipe"] != "dense" else ""
+            lines.append(f"| {r['recipe']} | {r['bits_per_elem']:.2f} ({r['storage_bits_per_elem']:.2f}) | "
+                         f"{r['ppl']:.3f} | {vs} | {r.get('fit_seconds', 0):.0f} |")
+        with open(os.path.join(a.out, "results.md"), "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+
+    ev = dict(window=a.window, max_tokens=a.max_tokens, batch=a.batch)
+    common = dict(protocol=a.protocol, recent=64, sinks=4 if a.protocol == "realistic" else 0, dtype="bfloat16")
+    if not a.no_dense:
+        r = evaluate(model, eval_ids, CacheChoice(kind="dense", **common), **ev)
+        res["rows"].append({"recipe": "dense", **{k: r[k] for k in ("ppl", "bits_per_elem", "storage_bits_per_elem")},
+                            "eval_seconds": r["seconds"]})
+        save()
+    t0 = time.perf_counter()
+    k, v, gram, count, used = calibration_kvq(model, calib_ids, tokens=a.calib_tokens, window=a.window,
+                                              batch=a.batch)
+    res["calib_seconds"] = time.perf_counter() - t0
+    res["calib_tokens_used"] = used
+    for name in a.recipes.split(","):
+        t0 = time.perf_counter()
+        books = fit_recipe(RECIPES[name], model, k, v, gram, count, iters=a.iters, max_vectors=a.max_vectors)
+        fit_s = time.perf_counter() - t0
+        r = evaluate(model, eval_ids, CacheChoice(kind="pq", codebooks=books, **common), **ev)
+        res["rows"].append({"recipe": name, **{k: r[k] for k in ("ppl", "bits_per_elem", "storage_bits_per_elem",
+                                                                  "cache_bytes")},
+                            "fit_seconds": fit_s, "eval_seconds": r["seconds"], "label": r["cache_label"]})
+        save()
+        print(res["rows"][-1], flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""PQ recipes: key / value budgets and transforms by name, and the recipe picked for a bit budget.
+
+A recipe is what ``million-jax calibrate --bits B`` fits without the user choosing knobs:
+
+    key_dsub, key_nbits       keys: sub-vectors of key_dsub dims, codes of key_nbits bits
+    value_dsub, value_nbits   values alike
+    query_aware               keys fitted on A k, A = (E[q q^T])^(1/2) per layer and KV head
+    output_aware              values fitted on B v, B = (sum Wo_h Wo_h^T)^(1/2) per KV head
+
+Stored bits per element (keys and values together) = (key_nbits / key_dsub +
+value_nbits / value_dsub) / 2. ``BEST_FOR_BITS`` holds, per budget, the recipe that measured
+best on SmolLM2-135M (benchmarks/results/recipes_smollm2/).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from million_app.errors import UsageError
+from million_jax.calibration import DEFAULT_MAX_VECTORS, fit_kv_codebooks
+from million_jax.kv_transforms import output_value_transform, query_aware_key_transform
+from million_jax.pq_codebooks import PQCodebooks
+
+__all__ = ["Recipe", "RECIPES", "BEST_FOR_BITS", "recipe_for_bits", "fit_recipe"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    name: str
+    key_dsub: int
+    key_nbits: int
+    value_dsub: int
+    value_nbits: int
+    query_aware: bool = False
+    output_aware: bool = False
+
+    @property
+    def bits_per_elem(self) -> float:
+        return (self.key_nbits / self.key_dsub + self.value_nbits / self.value_dsub) / 2
+
+    def budgets(self, head_dim: int) -> dict[str, int]:
+        """key / value M and nbits for this head_dim (UsageError if a dsub does not divide it)."""
+        for dsub in (self.key_dsub, self.value_dsub):
+            if head_dim % dsub:
+                raise UsageError(f"recipe {self.name}: sub-vectors of {dsub} dims do not divide head_dim {head_dim}")
+        return dict(M=head_dim // self.key_dsub, nbits=self.key_nbits,
+                    value_M=head_dim // self.value_dsub, value_nbits=self.value_nbits)
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe("pq4", 2, 8, 2, 8),
+    Recipe("pq4-qa", 2, 8, 2, 8, query_aware=True),
+    Recipe("pq4-qa-ow", 2, 8, 2, 8, query_aware=True, output_aware=True),
+    Recipe("pq4-qa-k3v5", 2, 6, 1, 5, query_aware=True),
+    Recipe("pq3-qa", 2, 6, 2, 6, query_aware=True),
+    Recipe("pq2", 4, 8, 4, 8),
+    Recipe("pq2-qa", 4, 8, 4, 8, query_aware=True),
+    Recipe("pq2-qa-ow", 4, 8, 4, 8, query_aware=True, output_aware=True),
+    Recipe("pq2-qa-k1v3", 8, 8, 2, 6, query_aware=True),
+    Recipe("pq1-qa", 8, 8, 8, 8, query_aware=True),
+)}
+
+# bits per element -> recipe name (see the module docstring and the results README)
+BEST_FOR_BITS: dict[int, str] = {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-qa", 1: "pq1-qa"}
+
+
+def recipe_for_bits(bits: int) -> Recipe:
+    """The recipe for ``--bits`` (UsageError for a budget without one)."""
+    if bits not in BEST_FOR_BITS:
+        raise UsageError(f"--bits must be one of {sorted(BEST_FOR_BITS)}, got {bits}")
+    return RECIPES[BEST_FOR_BITS[bits]]
+
+
+def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.ndarray, q_count: np.ndarray, *,
+               granularity: str = "layer_head", seed: int = 0, iters: int = 25,
+               max_vectors: int = DEFAULT_MAX_VECTORS) -> PQCodebooks:
+    """Codebooks of ``recipe`` from calibration K/V float32[L, Hkv, N, d] and the query Gram sums
+    float[L, Hkv, d, d] / counts [L, Hkv] (``million_app.calibrate.calibration_kvq``)."""
+    c = model.config
+    kt = query_aware_key_transform(q_gram, q_count) if recipe.query_aware else None
+    vt = (output_value_transform(np.asarray(model.params["layers"]["wo"], np.float32), c.n_heads, c.n_kv_heads)
+          if recipe.output_aware else None)
+    try:
+        return fit_kv_codebooks(k, v, **recipe.budgets(c.head_dim), granularity=granularity,
+                                key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
+                                key_transform=kt, value_transform=vt)
+    except ValueError as e:
+        raise UsageError(f"recipe {recipe.name}: {e}") from None
