@@ -123,12 +123,18 @@ class PQCache(ExactWindowCache):
     def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, *,
                M: int, nbits: int, window: int = 0, sinks: int = 0, dtype: Any = jnp.bfloat16,
                quantize_all: bool = False, impl: str = "auto", value_M: int | None = None,
-               value_nbits: int | None = None, pack: bool = True) -> "PQCache":
+               value_nbits: int | None = None, pack: bool | None = None) -> "PQCache":
         """An empty cache; ``window`` (W) and ``sinks`` (S) may be 0.
 
         M / nbits are the keys' budget; value_M / value_nbits the values' (default: the keys').
         ``pack``: codes of nbits < 8 stored packed at their real width (else one per byte).
+        Default: packed, except with ``impl="pallas"`` (the kernel reads one code per byte).
         """
+        if pack is None:
+            pack = impl != "pallas"
+        elif pack and impl == "pallas" and min(nbits, nbits if value_nbits is None else value_nbits) < 8:
+            raise ValueError("impl='pallas' reads one code per byte: pack=True (codes below 8 bits) needs impl "
+                             "'auto' or 'xla'")
         check_cache_args(dict(zip(CACHE_DIMS, (num_layers, batch, num_kv_heads, max_len, head_dim))), dtype,
                          window, sinks)
         value_M = M if value_M is None else value_M

@@ -86,7 +86,7 @@ def empty_pq_cache(books: PQCodebooks, batch: int, max_len: int, num_kv_heads: i
     """Zero cache arrays of one layer (module docstring) for ``batch`` sequences of ``max_len``."""
     cache = PQCache.create(1, batch, num_kv_heads, max_len, books.head_dim, M=books.key_M, nbits=books.key_nbits,
                            value_M=books.value_M, value_nbits=books.value_nbits,
-                           window=settings.window, sinks=settings.sinks, dtype=dtype)
+                           window=settings.window, sinks=settings.sinks, dtype=dtype, impl=settings.impl)
     arrays = {name: getattr(cache.layers, name)[0] for name in CACHE_FIELDS}
     arrays["lengths"] = cache.lengths
     return arrays

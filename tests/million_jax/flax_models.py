@@ -10,6 +10,8 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
+from million_jax.code_packing import maybe_unpack
+
 VOCAB, D_MODEL, HEADS, MAX_LEN = 48, 32, 4, 64
 
 
@@ -74,6 +76,12 @@ def dequant(codes: np.ndarray, books: np.ndarray) -> np.ndarray:
     heads = np.arange(codes.shape[1]) % g
     vec = books[heads[None, :, None, None], np.arange(m)[None, None, None, :], codes]  # [B, Hkv, T, M, dsub]
     return vec.reshape(codes.shape[:3] + (-1,))
+
+
+def stored_codes(codes, books: np.ndarray) -> np.ndarray:
+    """A cache's code array (packed below 8 bits) as one code per entry: int[B, Hkv, T, M]."""
+    g, m, k = books.shape[:3]
+    return np.asarray(maybe_unpack(jnp.asarray(codes[...]), m, int(k).bit_length() - 1))
 
 
 def assert_nearest_codes(codes: np.ndarray, x: np.ndarray, books: np.ndarray) -> None:

@@ -10,7 +10,7 @@ from flax import linen as nn
 from million_jax.flax import CODEBOOK_COLLECTION, PQMultiHeadDotProductAttention, calibrate_linen, linen_codebooks
 from million_jax.flax.linen_attention import linen_pq_layers
 
-from flax_models import (D_MODEL, HEADS, MAX_LEN, VOCAB, LinenDecoder, assert_nearest_codes, project,
+from flax_models import (D_MODEL, HEADS, MAX_LEN, VOCAB, LinenDecoder, assert_nearest_codes, project, stored_codes,
                          random_books, reference_attention, to_np)
 
 HKV, HEAD_DIM = 2, D_MODEL // HEADS
@@ -32,7 +32,7 @@ def test_decode_equals_reference_attention_from_codes():
     for t in (4, 1, 1, 2):
         out, state = call(state, jnp.asarray(x[:, start:start + t]))
         n = start + t
-        kc, vc = (np.asarray(state["cache"][f])[:, :, :n] for f in ("k_codes", "v_codes"))
+        kc, vc = (stored_codes(state["cache"][f], b)[:, :, :n] for f, b in (("k_codes", kb), ("v_codes", vb)))
         assert_nearest_codes(kc, k[:, :, :n], kb)
         assert_nearest_codes(vc, v[:, :, :n], vb)
         att = reference_attention(q[:, start:n], k[:, :, :n], v[:, :, :n], kc, vc, kb, vb, start, window, sinks)

@@ -10,7 +10,7 @@ from flax import nnx
 from million_jax.codebook_io import load_kv_codebooks, save_kv_codebooks
 from million_jax.flax import PQCodebook, PQMultiHeadAttention, attach_codebooks, calibrate_nnx, pq_layers
 
-from flax_models import (D_MODEL, HEADS, VOCAB, NNXDecoder, assert_nearest_codes, project, random_books,
+from flax_models import (D_MODEL, HEADS, VOCAB, NNXDecoder, assert_nearest_codes, project, random_books, stored_codes,
                           reference_attention, to_np)
 
 HKV, HEAD_DIM = 2, D_MODEL // HEADS
@@ -36,7 +36,7 @@ def test_decode_equals_reference_attention_from_codes(window, sinks):
     for t in (5, 1, 1, 2):  # a prefill chunk, then decode steps
         out = call(layer, jnp.asarray(x[:, start:start + t]))
         n = start + t
-        kc, vc = np.asarray(layer.k_codes[...])[:, :, :n], np.asarray(layer.v_codes[...])[:, :, :n]
+        kc, vc = (stored_codes(c, books)[:, :, :n] for c, books in ((layer.k_codes, kb), (layer.v_codes, vb)))
         assert_nearest_codes(kc, k[:, :, :n], kb)
         assert_nearest_codes(vc, v[:, :, :n], vb)
         att = reference_attention(q[:, start:n], k[:, :, :n], v[:, :, :n], kc, vc, kb, vb, start, window, sinks)
