@@ -12,6 +12,7 @@ import numpy as np
 
 from million_app.errors import UsageError
 from million_app.progress import bar
+from million_app.report import atomic_path, check_out_dir, copy_mode
 from million_jax.pq_codebooks import PQCodebooks
 from million_jax.calibration import DEFAULT_MAX_VECTORS, collect_kv, fit_kv_codebooks
 from million_jax.codebook_io import CodebookFileError, load_kv_codebooks, save_kv_codebooks
@@ -84,12 +85,15 @@ def codebook_metadata(model: LoadedModel, books: PQCodebooks, **extra) -> dict:
     return meta
 
 
-def save_model_codebooks(path: str, books: PQCodebooks, meta: dict) -> None:
-    """Write key/value codebooks and their metadata (see :func:`codebook_metadata`)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"--out: directory {parent} does not exist")
-    save_kv_codebooks(path, books, meta)
+def save_model_codebooks(path: str, books: PQCodebooks, meta: dict, flag: str = "--out") -> None:
+    """Write key/value codebooks and their metadata (see :func:`codebook_metadata`).
+
+    Atomic: a failure or Ctrl-C leaves no partial file and an existing ``path`` as it was.
+    """
+    check_out_dir(path, flag)
+    with atomic_path(path, flag) as tmp:
+        save_kv_codebooks(tmp, books, meta, atomic=False)
+        copy_mode(path, tmp)
 
 
 def load_model_codebooks(path: str, model: LoadedModel) -> tuple[PQCodebooks, dict]:
@@ -139,8 +143,7 @@ def calibration_kv(model: LoadedModel, ids: Sequence[int], *, tokens: int, windo
     pbar = bar(n_win, "calibration forward", unit="window")
 
     def progress(done: int, total: int) -> None:
-        pbar.n = done
-        pbar.refresh()
+        pbar.set(done)
 
     try:
         k, v = collect_model_kv(model, ids, window=window, batch=batch, max_tokens=use,

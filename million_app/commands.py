@@ -9,10 +9,10 @@ from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_
                                    save_model_codebooks)
 from million_app.corpus import text_hash
 from million_app.errors import UsageError
-from million_app.flags import cache_spec, check_positive, load_text
+from million_app.flags import cache_spec, check_positions, check_positive, load_text
 from million_app.loading import model_name, open_model, tokenize
 from million_app.perplexity import evaluate
-from million_app.report import check_out_dir, environment, human_bytes, memory_line, write_json
+from million_app.report import check_writable, environment, human_bytes, memory_line, write_json
 
 
 # ---------------------------------------------------------------------------- calibrate
@@ -20,9 +20,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit K/V codebooks on calibration text and save them with metadata."""
     check_positive(tokens=args.tokens, iters=args.iters, max_vectors=args.max_vectors,
                    batch=args.batch, M=args.M)
-    check_out_dir(args.out, "--out")
-    text = load_text(args.text, "--text")
+    check_writable(args.out, "--out", overwrite=args.force)
+    text = load_text(args.text, "--text", args)
     model = open_model(args.model)
+    check_positions(model, args.window, f"--window {args.window}")
     d = model.config.head_dim
     M = args.M or d // 2
     if d % M:
@@ -54,9 +55,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Perplexity through one cache (MILLION's windowed protocol)."""
     check_positive(window=args.window, max_tokens=args.max_tokens, batch=args.batch)
     if args.json:
-        check_out_dir(args.json, "--json")
-    text = load_text(args.text, "--text")
+        check_writable(args.json, "--json")
+    text = load_text(args.text, "--text", args)
     model = open_model(args.model)
+    check_positions(model, args.window, f"--window {args.window}")
     spec = cache_spec(args, model)
     ids = tokenize(model, text, bos=args.bos)
     progress.status(f"eval text {args.text}: {len(ids)} tokens; {spec.label()}")

@@ -18,11 +18,11 @@ from million_app.caches import CacheChoice
 from million_app.calibrate import calibration_kv, fit_model_codebooks, kmeans_problem_summary
 from million_app.corpus import read_text
 from million_app.errors import UsageError
-from million_app.flags import check_positive
+from million_app.flags import check_positions, check_positive
 from million_app.generation import chat_prompt, stream_generate
 from million_app.loading import model_name, open_model, tokenize
 from million_app.perplexity import evaluate
-from million_app.report import check_out_dir, human_bytes, write_json
+from million_app.report import check_writable, human_bytes, write_json
 
 PROMPT = "What does the Python statement `yield` do? Answer in two sentences."
 LONG_CONTEXT = 8192  # the sequence length the memory comparison is quoted at
@@ -34,10 +34,11 @@ def run_demo_command(args: argparse.Namespace) -> int:
                    window=args.window, iters=args.iters, max_vectors=args.max_vectors,
                    new_tokens=args.new_tokens, M=args.M)
     if args.json:
-        check_out_dir(args.json, "--json")
+        check_writable(args.json, "--json")
     t_start = time.perf_counter()
     model = open_model(args.model)
     cfg = model.config
+    check_positions(model, args.window, f"--window {args.window}")
     M = args.M or cfg.head_dim // 2
     if cfg.head_dim % M:
         raise UsageError(f"--M {M} does not divide the model's head_dim {cfg.head_dim}")

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from million_app import progress
 from million_app.caches import CacheChoice
 from million_app.errors import UsageError
-from million_app.flags import cache_spec
+from million_app.flags import available_memory, cache_spec, check_positions
 from million_app.loading import model_name, open_model, tokenize
-from million_app.report import check_out_dir, human_bytes, write_json
+from million_app.report import check_writable, human_bytes, write_json
 from models import LoadedModel, decode_step, prefill, sample_logits
 
 CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -49,6 +49,14 @@ def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheCh
         raise UsageError(f"bad sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}")
     cfg, params = model.config, model.params
     max_len = len(prompt_ids) + max_new_tokens
+    check_positions(model, max_len, f"the prompt ({len(prompt_ids)} tokens) + --max-new-tokens "
+                                    f"{max_new_tokens}")
+    need = spec.memory(cfg, 1, max_len)["cache_bytes"]
+    free = available_memory()
+    if free is not None and need > free:
+        raise UsageError(f"a {spec.label()} cache for {max_len} positions needs "
+                         f"{human_bytes(need)}, more than the {human_bytes(free)} free here; "
+                         "lower --max-new-tokens")
     cache, consts = spec.build(cfg, 1, max_len)
     key = jax.random.PRNGKey(seed)
     eos = set(cfg.eos_ids)
@@ -101,7 +109,7 @@ def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheCh
 def run_generate_command(args: argparse.Namespace) -> int:
     """``million-jax generate``."""
     if args.json:
-        check_out_dir(args.json, "--json")
+        check_writable(args.json, "--json")
     model = open_model(args.model)
     spec = cache_spec(args, model)
     prompt = chat_prompt(model, args.prompt) if args.chat else args.prompt
