@@ -156,12 +156,21 @@ def calibration_kv(model: LoadedModel, ids: Sequence[int], *, tokens: int, windo
 def fit_model_codebooks(k: np.ndarray, v: np.ndarray, *, M: int, nbits: int, granularity: str,
                         seed: int = 0, iters: int = 25,
                         max_vectors: int = DEFAULT_MAX_VECTORS) -> PQCodebooks:
-    """``fit_kv_codebooks`` with settings errors as UsageErrors."""
+    """``fit_kv_codebooks`` with a progress bar (one step per jitted fit; Ctrl-C stops in
+    between) and settings errors as UsageErrors."""
+    pbar = bar(1, "k-means", unit="fit")
+
+    def progress(done: int, total: int) -> None:
+        pbar.set(done, total)
+
     try:
         return fit_kv_codebooks(k, v, M=M, nbits=nbits, granularity=granularity,
-                                key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters)
+                                key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
+                                progress=progress)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    finally:
+        pbar.close()
 
 
 def kmeans_problem_summary(shape: tuple[int, ...], M: int, nbits: int, granularity: str,

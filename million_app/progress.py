@@ -139,11 +139,16 @@ class Bar:
                 self._last_line, self._printed = now, True
                 _emit(self.line())
 
-    def set(self, n: int) -> None:
-        """Set the count to ``n`` (for callbacks that report done/total)."""
+    def set(self, n: int, total: int | None = None) -> None:
+        """Set the count to ``n`` (and the total), for callbacks that report done/total."""
+        if total is not None and total != self.total:
+            self.total = int(total)
+            if self._tqdm is not None:
+                self._tqdm.total = self.total
         self.update(n - self.n)
 
     def close(self) -> None:
+        _set_phase(f"after {self.desc}")
         if self._tqdm is not None:
             self._tqdm.close()
         elif not _QUIET and (self._printed or time.monotonic() - self.t0 >= interval()):

@@ -14,16 +14,19 @@ likely, so positions, heads and layers are sampled uniformly.
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import numpy as np
 
 from million_jax.cache.dense import DenseCache
-from million_jax.pq import check_nbits, check_subspaces, fit_codebooks
+from million_jax.pq import Codebooks, check_nbits, check_subspaces, fit_codebooks
 from million_jax.pq_codebooks import GRANULARITIES, PQCodebooks
 
-__all__ = ["collect_kv", "fit_kv_codebooks", "DEFAULT_MAX_VECTORS"]
+__all__ = ["collect_kv", "fit_kv_codebooks", "fit_in_chunks", "DEFAULT_MAX_VECTORS", "GROUPS_PER_FIT"]
 
 DEFAULT_MAX_VECTORS = 65536
+GROUPS_PER_FIT = 8  # codebook groups per jitted k-means call (a chance to stop in between)
 
 
 def collect_kv(cache: DenseCache) -> tuple[np.ndarray, np.ndarray]:
@@ -70,12 +73,17 @@ def fit_kv_codebooks(
     max_vectors: int = DEFAULT_MAX_VECTORS,
     iters: int = 25,
     chunk_size: int = 8192,
+    groups_per_fit: int = GROUPS_PER_FIT,
+    progress: Callable[[int, int], None] | None = None,
 ) -> PQCodebooks:
     """Fit key and value codebooks from calibration samples.
 
     keys, values: float[L, Hkv, N, d] (post-RoPE keys). Returns PQCodebooks fitted as
     one codebook per model (shared), layer (layer) or layer and KV head (layer_head),
     laid out per layer: centroids [L, G, M, K, dsub], G = Hkv or 1.
+
+    The codebook groups are fitted ``groups_per_fit`` at a time (:func:`fit_in_chunks`);
+    ``progress(done, total)`` is called after each such fit (it may raise to stop).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -95,6 +103,15 @@ def fit_kv_codebooks(
         raise ValueError(f"max_vectors={max_vectors} is below the K=2**{nbits}={need} centroids")
     kk, kv = jax.random.split(key)
     rng = np.random.default_rng(int(jax.random.randint(kk, (), 0, 2**31 - 1)))
+    n_groups = {"shared": 1, "layer": keys.shape[0], "layer_head": keys.shape[0] * keys.shape[1]}
+    per_set = -(-n_groups[granularity] // max(1, groups_per_fit))
+    done = [0]
+
+    def step() -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], 2 * per_set)
+
     out = []
     for sub, x in ((kk, keys), (kv, values)):
         pooled = _subsample(_pool(x, granularity), max_vectors, rng)
@@ -103,5 +120,41 @@ def fit_kv_codebooks(
                 f"calibration gives {pooled.shape[-2]} vectors per {granularity} codebook, fewer than "
                 f"K=2**{nbits}={need}; use more calibration tokens or fewer bits"
             )
-        out.append(fit_codebooks(pooled, M, nbits, key=sub, iters=iters, chunk_size=chunk_size))
+        out.append(fit_in_chunks(pooled, M, nbits, key=sub, groups_per_fit=groups_per_fit,
+                                 progress=step, iters=iters, chunk_size=chunk_size))
     return PQCodebooks.from_centroids(out[0].centroids, out[1].centroids, granularity, num_layers=keys.shape[0])
+
+
+def fit_in_chunks(pooled: np.ndarray, M: int, nbits: int, *, key: jax.Array,
+                  groups_per_fit: int = GROUPS_PER_FIT, progress: Callable[[], None] | None = None,
+                  **kmeans_options: Any):
+    """``fit_codebooks`` over pooled float32[*G, N, d], ``groups_per_fit`` groups per call.
+
+    Splitting the work gives the caller a chance to report progress or stop between calls
+    (``progress()`` runs after each; it may raise). One call (G <= groups_per_fit) is exactly
+    ``fit_codebooks(pooled, key=key)``; otherwise chunk i uses ``fold_in(key, i)`` and the
+    last chunk is padded with copies of its last group (discarded) so one program serves
+    every chunk. Returns Codebooks with centroids float32[*G, M, K, dsub].
+    """
+    lead = pooled.shape[:-2]
+    g = int(np.prod(lead)) if lead else 1
+    n_chunks = -(-g // max(1, groups_per_fit))
+    if n_chunks == 1:
+        res = fit_codebooks(pooled, M, nbits, key=key, **kmeans_options)
+        if progress is not None:
+            progress()
+        return res
+    size = -(-g // n_chunks)
+    flat = pooled.reshape((g,) + pooled.shape[-2:])
+    parts = []
+    for i in range(n_chunks):
+        chunk = flat[i * size: (i + 1) * size]
+        real = chunk.shape[0]
+        if real < size:
+            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], size - real, axis=0)])
+        books = fit_codebooks(chunk, M, nbits, key=jax.random.fold_in(key, i), **kmeans_options)
+        parts.append(np.asarray(books.centroids)[:real])
+        if progress is not None:
+            progress()
+    cents = np.concatenate(parts, axis=0)
+    return Codebooks(centroids=cents.reshape(lead + cents.shape[1:]))
