@@ -104,7 +104,7 @@ def fit_kv_codebooks(
     kk, kv = jax.random.split(key)
     rng = np.random.default_rng(int(jax.random.randint(kk, (), 0, 2**31 - 1)))
     n_groups = {"shared": 1, "layer": keys.shape[0], "layer_head": keys.shape[0] * keys.shape[1]}
-    per_set = -(-n_groups[granularity] // max(1, groups_per_fit))
+    per_set = fits_needed(n_groups[granularity], groups_per_fit)
     done = [0]
 
     def step() -> None:
@@ -125,6 +125,19 @@ def fit_kv_codebooks(
     return PQCodebooks.from_centroids(out[0].centroids, out[1].centroids, granularity, num_layers=keys.shape[0])
 
 
+def chunk_groups(g: int, groups_per_fit: int) -> int:
+    """Groups per fit for G = ``g`` groups (see :func:`fit_in_chunks`)."""
+    gpf = max(1, int(groups_per_fit))
+    if g <= gpf:
+        return g
+    return next((s for s in range(gpf, max(1, gpf // 2) - 1, -1) if g % s == 0), -(-g // -(-g // gpf)))
+
+
+def fits_needed(g: int, groups_per_fit: int) -> int:
+    """How many fits :func:`fit_in_chunks` makes for ``g`` groups."""
+    return -(-g // chunk_groups(g, groups_per_fit))
+
+
 def fit_in_chunks(pooled: np.ndarray, M: int, nbits: int, *, key: jax.Array,
                   groups_per_fit: int = GROUPS_PER_FIT, progress: Callable[[], None] | None = None,
                   **kmeans_options: Any):
@@ -132,19 +145,20 @@ def fit_in_chunks(pooled: np.ndarray, M: int, nbits: int, *, key: jax.Array,
 
     Splitting the work gives the caller a chance to report progress or stop between calls
     (``progress()`` runs after each; it may raise). One call (G <= groups_per_fit) is exactly
-    ``fit_codebooks(pooled, key=key)``; otherwise chunk i uses ``fold_in(key, i)`` and the
-    last chunk is padded with copies of its last group (discarded) so one program serves
-    every chunk. Returns Codebooks with centroids float32[*G, M, K, dsub].
+    ``fit_codebooks(pooled, key=key)``; otherwise chunk i uses ``fold_in(key, i)``. Chunks
+    are equal (a divisor of G in [groups_per_fit / 2, groups_per_fit] when there is one, else
+    the last chunk is padded with copies of its last group, discarded) so one compiled
+    program serves every chunk. Returns Codebooks with centroids float32[*G, M, K, dsub].
     """
     lead = pooled.shape[:-2]
     g = int(np.prod(lead)) if lead else 1
-    n_chunks = -(-g // max(1, groups_per_fit))
-    if n_chunks == 1:
+    size = chunk_groups(g, groups_per_fit)
+    if size >= g:
         res = fit_codebooks(pooled, M, nbits, key=key, **kmeans_options)
         if progress is not None:
             progress()
         return res
-    size = -(-g // n_chunks)
+    n_chunks = -(-g // size)
     flat = pooled.reshape((g,) + pooled.shape[-2:])
     parts = []
     for i in range(n_chunks):
