@@ -111,10 +111,10 @@ def test_generate_explains_why_a_short_pq_cache_is_larger(cli, tiny_dir, codeboo
 
 
 def test_ctrl_c_during_kmeans_stops_cleanly(tiny_dir, tmp_path):
-    """SIGINT while a very long k-means runs: exit 130 quickly, old file intact, no leftovers.
+    """SIGINT to the real ``python -m million_app`` during a k-means that would run for
+    minutes: exit status 130, one 'interrupted' line, the old --out intact, no partial file.
 
-    The k-means asked for would run for many minutes; the 60 s bound only catches a process
-    that waits for it (or hangs), it is not a speed test.
+    The 60 s bound only catches a process that waits for the k-means (or hangs).
     """
     out = tmp_path / "books.safetensors"
     out.write_bytes(b"old codebooks")
@@ -144,3 +144,43 @@ def test_ctrl_c_during_kmeans_stops_cleanly(tiny_dir, tmp_path):
     assert "interrupted" in err and "Traceback" not in err, err
     assert out.read_bytes() == b"old codebooks"
     assert _leftovers(tmp_path) == []
+
+
+def test_ctrl_c_returns_while_the_work_is_stuck_in_c(cli, monkeypatch):
+    """Ctrl-C while the command sits in a C call that ignores signals (like an XLA compile):
+    ``main`` returns 130 without waiting for that call. The call blocks on a mutex this test
+    holds and releases only after ``main`` returned (or after 60 s, when it waits wrongly)."""
+    import ctypes
+    import threading
+
+    from million_app import commands
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach only the main thread")
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)               # zeroed = PTHREAD_MUTEX_INITIALIZER
+    held, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def owner():
+        libc.pthread_mutex_lock(mutex)
+        held.set()
+        release.wait(60)
+        libc.pthread_mutex_unlock(mutex)
+
+    def stuck_command(args):
+        libc.pthread_mutex_lock(mutex)                    # blocks in C, signals or not
+        libc.pthread_mutex_unlock(mutex)
+        finished.set()
+        return 0
+
+    monkeypatch.setattr(commands, "cmd_eval", stuck_command)
+    threading.Thread(target=owner, daemon=True).start()
+    held.wait(10)
+    main_id = threading.main_thread().ident
+    threading.Timer(0.5, lambda: signal.pthread_kill(main_id, signal.SIGINT)).start()
+    res = cli("eval", "--model", "x", "--text", "y")
+    returned_before_release = not release.is_set()
+    release.set()
+    assert finished.wait(30)
+    assert res.rc == 130 and "interrupted" in res.err
+    assert returned_before_release
