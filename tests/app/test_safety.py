@@ -10,7 +10,6 @@ import time
 import pytest
 
 from million_app import generation
-from conftest import one_error_line
 
 CALIB = ("--text", "builtin:calib", "--tokens", "512", "--window", "256", "--nbits", "4",
          "--iters", "2")
@@ -20,11 +19,11 @@ def _leftovers(d) -> list[str]:
     return sorted(n for n in os.listdir(d) if n.endswith(".tmp") or ".million-jax-probe" in n)
 
 
-def test_calibrate_refuses_to_overwrite_without_force_and_keeps_mode(cli, tiny_dir, tmp_path):
+def test_calibrate_refuses_to_overwrite_without_force_and_keeps_mode(error_line, cli, tiny_dir, tmp_path):
     out = tmp_path / "books.safetensors"
     out.write_bytes(b"precious")
     os.chmod(out, 0o640)
-    line = one_error_line(cli("calibrate", "--model", tiny_dir, *CALIB, "--out", out))
+    line = error_line(cli("calibrate", "--model", tiny_dir, *CALIB, "--out", out))
     assert "already exists" in line and "--force" in line
     assert out.read_bytes() == b"precious"
     res = cli("calibrate", "--model", tiny_dir, *CALIB, "--out", out, "--force", "--quiet")
@@ -43,32 +42,32 @@ def test_new_codebook_file_gets_umask_mode(cli, tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("where", ["dir", "missing", "proc"])
-def test_unwritable_out_is_one_line_before_any_work(cli, tiny_dir, tmp_path, where):
+def test_unwritable_out_is_one_line_before_any_work(error_line, cli, tiny_dir, tmp_path, where):
     target = {"dir": tmp_path, "missing": tmp_path / "no" / "b.safetensors",
               "proc": "/proc/million-jax-test.safetensors"}[where]
     # not --quiet: a status line would show if calibration had started
-    line = one_error_line(cli("calibrate", "--model", tiny_dir, *CALIB, "--out", target))
+    line = error_line(cli("calibrate", "--model", tiny_dir, *CALIB, "--out", target))
     assert "--out" in line
     assert _leftovers(tmp_path) == []
 
 
 @pytest.mark.parametrize("target", ["/proc/x.json", "DIR"])
-def test_eval_json_unwritable_is_one_line_before_evaluating(cli, tiny_dir, tmp_path, target):
+def test_eval_json_unwritable_is_one_line_before_evaluating(error_line, cli, tiny_dir, tmp_path, target):
     target = tmp_path if target == "DIR" else target
-    line = one_error_line(cli("eval", "--model", tiny_dir, "--text", "builtin:eval",
+    line = error_line(cli("eval", "--model", tiny_dir, "--text", "builtin:eval",
                               "--max-tokens", 256, "--window", 128, "--json", target))
     assert "--json" in line
 
 
-def test_binary_or_non_utf8_text_refused_unless_asked(cli, tiny_dir, tmp_path):
+def test_binary_or_non_utf8_text_refused_unless_asked(error_line, cli, tiny_dir, tmp_path):
     binary = tmp_path / "prog.bin"
     binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 8)
-    assert "binary" in one_error_line(cli("eval", "--model", tiny_dir, "--text", binary))
+    assert "binary" in error_line(cli("eval", "--model", tiny_dir, "--text", binary))
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e, na\xefve. ".encode("latin-1") * 200)
-    line = one_error_line(cli("eval", "--model", tiny_dir, "--text", latin, "--window", 128))
+    line = error_line(cli("eval", "--model", tiny_dir, "--text", latin, "--window", 128))
     assert "not utf-8 text" in line and "--encoding" in line
-    line = one_error_line(cli("calibrate", "--model", tiny_dir, "--text", latin, "--out",
+    line = error_line(cli("calibrate", "--model", tiny_dir, "--text", latin, "--out",
                               tmp_path / "b.safetensors"))
     assert "--text" in line
     ok = cli("eval", "--model", tiny_dir, "--text", latin, "--encoding", "latin-1",
@@ -77,28 +76,28 @@ def test_binary_or_non_utf8_text_refused_unless_asked(cli, tiny_dir, tmp_path):
     ok = cli("eval", "--model", tiny_dir, "--text", binary, "--errors", "replace",
              "--window", 128, "--max-tokens", 256, "--quiet")
     assert ok.rc == 0, ok.err
-    assert "unknown text encoding" in one_error_line(
+    assert "unknown text encoding" in error_line(
         cli("eval", "--model", tiny_dir, "--text", latin, "--encoding", "klingon"))
 
 
-def test_window_beyond_max_position_embeddings_refused(cli, tiny_dir, codebooks, tmp_path):
+def test_window_beyond_max_position_embeddings_refused(error_line, cli, tiny_dir, codebooks, tmp_path):
     # the tiny model has max_position_embeddings 512
     for argv in (("eval", "--text", "builtin:eval", "--window", 1024),
                  ("eval", "--text", "builtin:eval", "--window", 1024, "--cache", "pq",
                   "--codebooks", codebooks),
                  ("calibrate", "--text", "builtin:calib", "--window", 600, "--out", tmp_path / "b.st"),
                  ("demo", "--window", 1024)):
-        line = one_error_line(cli(argv[0], "--model", tiny_dir, *argv[1:]))
+        line = error_line(cli(argv[0], "--model", tiny_dir, *argv[1:]))
         assert "max_position_embeddings 512" in line, line
 
 
-def test_generate_sized_up_front(cli, tiny_dir, monkeypatch):
+def test_generate_sized_up_front(error_line, cli, tiny_dir, monkeypatch):
     res = cli("generate", "--model", tiny_dir, "--prompt", "Hello", "--max-new-tokens", 100000000)
-    assert "max_position_embeddings 512" in one_error_line(res)
+    assert "max_position_embeddings 512" in error_line(res)
     assert res.out == ""                      # not even the prompt was echoed
     monkeypatch.setattr(generation, "available_memory", lambda: 1000)
     res = cli("generate", "--model", tiny_dir, "--prompt", "Hello", "--max-new-tokens", 400)
-    assert "free here" in one_error_line(res)
+    assert "free here" in error_line(res)
 
 
 def test_generate_explains_why_a_short_pq_cache_is_larger(cli, tiny_dir, codebooks):
