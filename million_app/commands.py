@@ -9,7 +9,8 @@ from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_
                                    save_model_codebooks)
 from million_app.corpus import text_hash
 from million_app.errors import UsageError
-from million_app.flags import cache_spec, check_positions, check_positive, load_text
+from million_app.flags import (cache_spec, check_codebook_settings, check_positions,
+                               check_positive, load_text)
 from million_app.loading import model_name, open_model, tokenize
 from million_app.perplexity import evaluate
 from million_app.report import check_writable, environment, human_bytes, memory_line, write_json
@@ -28,8 +29,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     M = args.M or d // 2
     if d % M:
         raise UsageError(f"--M {M} does not divide the model's head_dim {d}")
-    if not 1 <= args.nbits <= 12:
-        raise UsageError(f"--nbits must be in 1..12, got {args.nbits}")
+    check_codebook_settings(args.nbits, args.max_vectors)
     ids = tokenize(model, text)
     progress.status(f"calibration text {args.text}: {len(ids)} tokens, using up to {args.tokens}")
     k, v, used = calibration_kv(model, ids, tokens=args.tokens, window=args.window, batch=args.batch)

@@ -34,6 +34,8 @@ def read_text(spec: str, encoding: str = "utf-8", errors: str = "strict") -> str
         return builtin_text()
     if spec.startswith("builtin:"):
         return builtin_split(spec.split(":", 1)[1])
+    if os.path.isdir(spec):
+        raise ValueError(f"{spec} is a directory, not a text file")
     if not os.path.isfile(spec):
         raise FileNotFoundError(f"text file not found: {spec}")
     try:
@@ -45,7 +47,7 @@ def read_text(spec: str, encoding: str = "utf-8", errors: str = "strict") -> str
     if errors == "strict":
         if b"\0" in raw and "16" not in encoding and "32" not in encoding:
             raise ValueError(f"{spec} looks like a binary file (it has NUL bytes), not text "
-                             "(--errors replace reads it anyway)")
+                             "(UTF-16 text needs --encoding utf-16; --errors replace reads it anyway)")
         try:
             text = raw.decode(encoding)
         except UnicodeDecodeError as e:

@@ -18,7 +18,7 @@ from million_app.caches import CacheChoice
 from million_app.calibrate import calibration_kv, fit_model_codebooks, kmeans_problem_summary
 from million_app.corpus import read_text
 from million_app.errors import UsageError
-from million_app.flags import check_positions, check_positive
+from million_app.flags import check_codebook_settings, check_positions, check_positive
 from million_app.generation import chat_prompt, stream_generate
 from million_app.loading import model_name, open_model, tokenize
 from million_app.perplexity import evaluate
@@ -42,6 +42,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     model = open_model(args.model)
     cfg = model.config
     check_positions(model, args.window, f"--window {args.window}")
+    check_codebook_settings(args.nbits, args.max_vectors)
     M = args.M or cfg.head_dim // 2
     if cfg.head_dim % M:
         raise UsageError(f"--M {M} does not divide the model's head_dim {cfg.head_dim}")

@@ -28,6 +28,15 @@ def load_text(spec: str, flag: str, args: argparse.Namespace | None = None) -> s
         raise UsageError(f"{flag}: {e}") from None
 
 
+def check_codebook_settings(nbits: int, max_vectors: int) -> None:
+    """UsageError for --nbits outside 1..12 or --max-vectors below its 2**nbits centroids."""
+    if not 1 <= nbits <= 12:
+        raise UsageError(f"--nbits must be in 1..12, got {nbits}")
+    if max_vectors < 2 ** nbits:
+        raise UsageError(f"--max-vectors {max_vectors} is below the 2**{nbits} = {2 ** nbits} "
+                         f"centroids of --nbits {nbits}")
+
+
 def check_positions(model: LoadedModel, n: int, what: str) -> None:
     """UsageError if ``what`` needs more than the model's max_position_embeddings positions."""
     limit = model.config.max_position_embeddings

@@ -32,6 +32,13 @@ def chat_prompt(model: LoadedModel, prompt: str) -> str:
     return CHAT_TEMPLATE.format(prompt=prompt)
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """UsageError for sampling settings ``sample_logits`` cannot use."""
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise UsageError(f"bad sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}"
+                         " (need temperature >= 0, top_k >= 0, 0 < top_p <= 1)")
+
+
 def check_fits(model: LoadedModel, spec: CacheChoice, prompt_tokens: int, max_new_tokens: int) -> int:
     """The cache length prompt + new tokens; UsageError (one line) if it exceeds the model's
     max_position_embeddings or the cache would not fit in the free memory."""
@@ -62,8 +69,7 @@ def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheCh
     """
     if not prompt_ids:
         raise UsageError("the prompt is empty")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise UsageError(f"bad sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}")
+    check_sampling(temperature, top_k, top_p)
     cfg, params = model.config, model.params
     max_len = check_fits(model, spec, len(prompt_ids), max_new_tokens)
     cache, consts = spec.build(cfg, 1, max_len)
@@ -156,6 +162,7 @@ def run_generate_command(args: argparse.Namespace) -> int:
     ids = tokenize(model, prompt)
     if not ids:
         raise UsageError("the prompt is empty")
+    check_sampling(args.temperature, args.top_k, args.top_p)
     check_fits(model, spec, len(ids), args.max_new_tokens)
     progress.status(f"{model_name(model)}, {spec.label()}, prompt {len(ids)} tokens")
     if not args.chat:

@@ -183,3 +183,17 @@ def test_ctrl_c_returns_while_the_work_is_stuck_in_c(cli, monkeypatch):
     assert finished.wait(30)
     assert res.rc == 130 and "interrupted" in res.err
     assert returned_before_release
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (("generate", "--prompt", "hi", "--temperature", -1), "bad sampling settings"),
+    (("generate", "--prompt", "hi", "--top-p", 0), "bad sampling settings"),
+    (("eval", "--text", "/"), "is a directory"),
+    (("calibrate", "--text", "builtin:calib", "--max-vectors", 10, "--out", "{tmp}/b.st"),
+     "below the 2**8"),
+    (("demo", "--nbits", 13), "--nbits must be in 1..12"),
+])
+def test_more_bad_flags_refused_before_any_output(error_line, cli, tiny_dir, tmp_path, argv, needle):
+    argv = [str(a).replace("{tmp}", str(tmp_path)) for a in argv]
+    res = cli(argv[0], "--model", tiny_dir, *argv[1:])
+    assert needle in error_line(res) and res.out == ""
