@@ -24,9 +24,10 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from million_jax.tiling import tiled_attention
 from pallas_kernels.softmax import einsum_f32, group_heads, softmax_attention, ungroup_heads
 
-__all__ = ["attention", "causal_mask", "causal_attention", "einsum_f32"]
+__all__ = ["attention", "causal_mask", "causal_attention", "einsum_f32", "tiled_dense_attention"]
 
 
 def causal_mask(q_positions: jax.Array, kv_lengths: jax.Array, num_keys: int) -> jax.Array:
@@ -92,3 +93,32 @@ def causal_attention(
         kv_lengths = jnp.full((b,), s, jnp.int32)
     mask = causal_mask(q_positions, kv_lengths, s)
     return attention(q, k, v, mask, scale=scale, return_lse=return_lse)
+
+
+def tiled_dense_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lo: jax.Array,
+    hi: jax.Array,
+    *,
+    tile: int = 512,
+    scale: float | None = None,
+) -> jax.Array:
+    """Attention of q float[B, T, H, d] over stored keys k, v float[B, Hkv, N, d], tokens
+    lo <= s < hi (int32[B, T]) visible, walked in tiles up to the longest ``hi`` only
+    (:mod:`million_jax.tiling`): a decode step costs O(longest sequence), not O(N).
+
+    Returns out float[B, T, H, d] in q.dtype; 0 for a query that sees nothing.
+    """
+    b, t, h, d = q.shape
+    hkv = k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qg = group_heads(q, hkv)  # [B, Hkv, G, T, d]
+
+    def tile_fn(parts, rows):
+        kt, vt = parts
+        return einsum_f32("bkgtd,bksd->bkgts", qg, kt) * scale, vt
+
+    out, _ = tiled_attention((b, hkv, h // hkv, t), v.shape[-1], tile, lo, hi, [(k, 1), (v, 1)], tile_fn)
+    return out.astype(q.dtype)

@@ -60,7 +60,7 @@ def pq_attention(
     tile = max(1, min(tile, n))
     lut = build_lut(qg.reshape(b, hkv, grp * t, d), k_centroids) if t <= LUT_MAX_QUERIES else None
 
-    def tile_fn(i, parts):
+    def tile_fn(parts, rows):
         kc_tile, vc_tile = parts
         if lut is not None:
             scores = lut_scores(lut, kc_tile).reshape(b, hkv, grp, t, -1)

@@ -1,9 +1,12 @@
-"""The token-tile loop shared by the attention-from-codes paths (PQ and uniform, xla).
+"""The token-tile loop shared by every xla attention path over a cache (dense, PQ, uniform).
 
-Codes are walked in tiles of ``tile`` tokens under ``lax.scan`` with the online softmax of
+Stored tokens are walked in tiles of ``tile`` tokens with the online softmax of
 :mod:`pallas_kernels.softmax`, so only one tile is ever dequantized: memory is
-O(B * H * T * tile) whatever the context length. Each caller supplies only how a tile's
-scores and values are computed from its slices of the stored arrays.
+O(B * H * T * tile) whatever the context length. The loop runs only over the tiles that
+hold visible tokens (up to the longest ``hi`` in the batch), so a step costs in proportion
+to the longest sequence, not to the cache's capacity ``T_max``; tiles are cut with dynamic
+slices of the stored arrays (no padded or transposed copy of the cache). Each caller supplies
+only how a tile's scores and values are computed from its slices of the stored arrays.
 """
 from __future__ import annotations
 
@@ -16,17 +19,9 @@ from pallas_kernels.softmax import OnlineSoftmax, ungroup_heads
 
 __all__ = ["tiled_attention"]
 
-# (tile index, per-array tile slices) -> (scores f32[B, Hkv, G, T, tile], values f32[B, Hkv, tile, d])
-TileFn = Callable[[jax.Array, tuple[jax.Array, ...]], tuple[jax.Array, jax.Array]]
-
-
-def _tiles(x: jax.Array, n_tiles: int, rows: int) -> jax.Array:
-    """x [B, Hkv, N', ...] zero-padded to n_tiles*rows rows -> [n_tiles, B, Hkv, rows, ...]."""
-    b, hkv, n = x.shape[:3]
-    pad = n_tiles * rows - n
-    if pad > 0:
-        x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
-    return jnp.moveaxis(x.reshape((b, hkv, n_tiles, rows) + x.shape[3:]), 2, 0)
+# (per-array tile slices, token rows in this tile) ->
+#     (scores f32[B, Hkv, G, T, rows], values float[B, Hkv, rows, d])
+TileFn = Callable[[tuple[jax.Array, ...], int], tuple[jax.Array, jax.Array]]
 
 
 def tiled_attention(
@@ -43,22 +38,31 @@ def tiled_attention(
     group_shape: (B, Hkv, G, T) of the grouped queries; d: value width.
     tile: tokens per tile (a multiple of every array's ``rows_per_entry``).
     lo, hi: int32[B, T]: query t of sequence b sees tokens lo <= s < hi.
-    arrays: (x [B, Hkv, N / rows_per_entry, ...], rows_per_entry) pairs; N is taken from the
-      first (rows_per_entry 1). Each is cut into tiles and handed to ``tile_fn``.
+    arrays: (x [B, Hkv, ceil(N / rows_per_entry), ...], rows_per_entry) pairs; N is taken
+      from the first (rows_per_entry 1). Each is sliced per tile and handed to ``tile_fn``.
     Returns (out f32[B, T, H, d], lse f32[B, T, H]); 0 / -inf for a query that sees nothing.
     """
     n = arrays[0][0].shape[2]
-    tile = max(1, tile)
-    n_tiles = max(1, -(-n // tile))
-    xs = tuple(_tiles(x, n_tiles, tile // per) for x, per in arrays)
+    tile = max(1, min(tile, n))
+    for x, per in arrays:
+        if tile % per and tile != n:
+            raise ValueError(f"tile {tile} is not a multiple of an array's rows per entry {per}")
+    n_full, rem = divmod(n, tile)
+    # tokens any query of the batch can see: the loop stops after the last tile holding one
+    need = jnp.clip(jnp.max(hi, initial=0), 0, n)
 
-    def body(state: OnlineSoftmax, x):
-        i, parts = x
-        scores, values = tile_fn(i, parts)
-        s_pos = i * tile + jnp.arange(tile, dtype=jnp.int32)
+    def step(state: OnlineSoftmax, start: jax.Array, rows: int) -> OnlineSoftmax:
+        parts = tuple(jax.lax.dynamic_slice_in_dim(x, start // per, -(-rows // per), axis=2) for x, per in arrays)
+        scores, values = tile_fn(parts, rows)
+        s_pos = start + jnp.arange(rows, dtype=jnp.int32)
         vis = (s_pos[None, None, :] >= lo[:, :, None]) & (s_pos[None, None, :] < hi[:, :, None])
-        return state.step(scores, vis[:, None, None], values), None
+        return state.step(scores, vis[:, None, None], values)
 
-    state, _ = jax.lax.scan(body, OnlineSoftmax.init(group_shape, d), (jnp.arange(n_tiles, dtype=jnp.int32), xs))
+    state = OnlineSoftmax.init(group_shape, d)
+    n_tiles = jnp.minimum(n_full, -(-need // tile))
+    state = jax.lax.fori_loop(0, n_tiles, lambda i, st: step(st, i * tile, tile), state)
+    if rem:
+        start = n_full * tile
+        state = jax.lax.cond(need > start, lambda st: step(st, jnp.int32(start), rem), lambda st: st, state)
     out, lse = state.finish()
     return ungroup_heads(out), ungroup_heads(lse)

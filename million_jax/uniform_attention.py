@@ -66,10 +66,10 @@ def uniform_attention(
     tile = -(-max(1, min(tile, k_codes.shape[2])) // key_rows) * key_rows
     qg = group_heads(q.astype(jnp.float32), hkv)  # [B, Hkv, G, T, d]
 
-    def tile_fn(i, parts):
+    def tile_fn(parts, rows):
         kct, kst, kzt, vct, vst, vzt = parts
-        kx = lambda st: expand_stats(st, key_rows, kc, tile, d)  # noqa: E731
-        vx = lambda st: expand_stats(st, 1, vc, tile, d)  # noqa: E731
+        kx = lambda st: expand_stats(st, key_rows, kc, rows, d)  # noqa: E731
+        vx = lambda st: expand_stats(st, 1, vc, rows, d)  # noqa: E731
         kd = decode(unpack(kct, bits), kx(kst), kx(kzt))  # [B, Hkv, tile, d] f32, this tile only
         vd = decode(unpack(vct, bits), vx(vst), vx(vzt))
         return jnp.einsum("bkgtd,bksd->bkgts", qg, kd) * scale, vd

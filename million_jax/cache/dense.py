@@ -7,8 +7,9 @@ State (``DenseLayer``, stacked over layers so the model can scan):
 
 New tokens are written with a scatter in ``mode="drop"``: padding rows of a ragged prefill
 and anything at a position ``>= T_max`` are discarded, never written out of bounds.
-Attention is exact (``million_jax.attention``) over all T_max slots with a causal/length
-mask, so a step costs O(T_max) whatever the fill level, like any preallocated cache.
+Attention is exact (``million_jax.attention.tiled_dense_attention``), walked in tiles up to
+the longest sequence of the batch, so a step costs in proportion to the tokens stored, not to
+T_max.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from million_jax.attention import causal_attention
+from million_jax.attention import tiled_dense_attention
 from million_jax.cache.base import (CACHE_DIMS, KVCache, LayerState, check_cache_args, register_cache, token_rows,
                                     write_rows)
 
@@ -51,7 +52,7 @@ class DenseLayer(LayerState):
         pos, rows = token_rows(lengths, n_new, t, t_max)
         kc, vc = write_rows(self.k, rows, k), write_rows(self.v, rows, v)
         kv_len = jnp.minimum(lengths + n_new, t_max)
-        out = causal_attention(q, kc, vc, q_positions=pos, kv_lengths=kv_len)
+        out = tiled_dense_attention(q, kc, vc, jnp.zeros_like(pos), jnp.minimum(pos + 1, kv_len[:, None]))
         return out, DenseLayer(k=kc, v=vc)
 
 

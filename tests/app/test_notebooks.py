@@ -57,3 +57,10 @@ def test_quickstart_notebook_runs():
     assert "dense" in text and "ppl" in text
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for c in nb.cells for o in c.get("outputs", []))
+
+
+def test_bring_your_own_model_notebook_runs():
+    text = outputs(execute("bring_your_own_model.ipynb"))
+    assert "same parameters, same non-decode outputs" in text
+    assert "smaller)" in text and "same next token at" in text
+    assert "compiled decode steps: 1" in text

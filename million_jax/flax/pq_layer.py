@@ -1,0 +1,138 @@
+"""What the NNX and Linen adapters share: one layer's codebooks, its PQ cache arrays, one call.
+
+The adapters keep the cache of one attention layer as plain arrays (``nnx.Cache`` variables,
+or the Linen ``"cache"`` collection) and run it through the library's
+:class:`~million_jax.cache.pq_cache.PQLayer`, so the encode, the exact sinks / window, the
+kernel dispatch and the merge are the library's own. Shapes (one layer; ``*batch`` is
+flattened to B):
+
+    k_codes, v_codes:  uint8|uint16[B, Hkv, T_max, M]
+    sink_k, sink_v:    float[B, Hkv, S, d]          (S = sinks, may be 0)
+    ring_k, ring_v:    float[B, Hkv, W, d]          (W = window, may be 0)
+    lengths:           int32[B]                     tokens stored per sequence
+    codebooks:         float32[G, M, K, dsub] each for keys and values, G in {1, Hkv}
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from million_jax.cache.pq_cache import PQCache, PQLayer
+from million_jax.kernel_dispatch import check_impl
+from million_jax.calibration import DEFAULT_MAX_VECTORS, fit_kv_codebooks
+from million_jax.pq import Codebooks
+from million_jax.pq_codebooks import PQCodebooks
+
+__all__ = ["CACHE_FIELDS", "PQSettings", "attend_pq", "check_layer_books", "empty_pq_cache", "fit_layers",
+           "select_layer"]
+
+CACHE_FIELDS = ("k_codes", "v_codes", "sink_k", "sink_v", "ring_k", "ring_v")
+
+
+@dataclasses.dataclass(frozen=True)
+class PQSettings:
+    """Static PQ settings of one adapter layer: exact ``window`` / ``sinks``, ``quantize_all``
+    (MILLION's protocol: every token read from codes), ``impl`` ("auto" | "xla" | "pallas")."""
+
+    window: int = 0
+    sinks: int = 0
+    quantize_all: bool = False
+    impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.window < 0 or self.sinks < 0:
+            raise ValueError(f"window and sinks must be >= 0, got window={self.window}, sinks={self.sinks}")
+        check_impl(self.impl)
+        if self.quantize_all:  # MILLION's protocol keeps nothing exact
+            object.__setattr__(self, "window", 0)
+            object.__setattr__(self, "sinks", 0)
+
+
+def select_layer(books: PQCodebooks, layer: int) -> tuple[jax.Array, jax.Array]:
+    """(key, value) centroids float32[G, M, K, dsub] of one layer of a model's codebooks."""
+    if not isinstance(books, PQCodebooks):
+        raise ValueError(f"expected PQCodebooks (million_jax.fit_kv_codebooks / load_kv_codebooks), got {type(books)}")
+    if not 0 <= layer < books.num_layers:
+        raise ValueError(f"layer {layer} is out of range: the codebooks are for {books.num_layers} layers")
+    return books.key.centroids[layer], books.value.centroids[layer]
+
+
+def check_layer_books(key, value, num_kv_heads: int, head_dim: int, where: str = "") -> PQCodebooks:
+    """One layer's centroids as a per-layer PQCodebooks (leaves [G, M, K, dsub]); ValueError if
+    they do not fit ``num_kv_heads`` / ``head_dim``."""
+    key, value = jnp.asarray(key, jnp.float32), jnp.asarray(value, jnp.float32)
+    pre = f"{where}: " if where else ""
+    if key.ndim != 4 or key.shape != value.shape:
+        raise ValueError(f"{pre}codebooks must be key/value float[G, M, K, dsub] of one shape, "
+                         f"got {key.shape} and {value.shape}")
+    g, m, _, dsub = key.shape
+    if m * dsub != head_dim:
+        raise ValueError(f"{pre}codebooks are for head_dim {m * dsub} (M={m} x dsub={dsub}), the layer has "
+                         f"head_dim {head_dim}")
+    if g not in (1, num_kv_heads):
+        raise ValueError(f"{pre}codebooks have {g} head groups, the layer has {num_kv_heads} KV heads")
+    books = PQCodebooks(Codebooks(key), Codebooks(value), "layer_head" if g > 1 else "layer")
+    books.key.validate()
+    return books
+
+
+def empty_pq_cache(books: PQCodebooks, batch: int, max_len: int, num_kv_heads: int, settings: PQSettings,
+                   dtype) -> dict[str, jax.Array]:
+    """Zero cache arrays of one layer (module docstring) for ``batch`` sequences of ``max_len``."""
+    cache = PQCache.create(1, batch, num_kv_heads, max_len, books.head_dim, M=books.M, nbits=books.nbits,
+                           window=settings.window, sinks=settings.sinks, dtype=dtype)
+    arrays = {name: getattr(cache.layers, name)[0] for name in CACHE_FIELDS}
+    arrays["lengths"] = cache.lengths
+    return arrays
+
+
+def attend_pq(books: PQCodebooks, arrays: dict[str, jax.Array], settings: PQSettings, query: jax.Array,
+              key: jax.Array, value: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Append the new tokens and attend from codes (plus the exact sinks / window).
+
+    query float[*batch, T, H, d]; key, value float[*batch, T, Hkv, d]; ``arrays`` as made by
+    :func:`empty_pq_cache`. Returns (out float[*batch, T, H, d] in query.dtype, new arrays).
+    """
+    lengths = arrays["lengths"]
+    b = lengths.shape[0]
+    lead = query.shape[:-3]
+    if math.prod(lead) != b or key.shape[:-3] != lead or key.shape[-3] != query.shape[-3]:
+        raise ValueError(f"PQ cache holds {b} sequences, got query {query.shape} / key {key.shape} "
+                         "([*batch, T, heads, head_dim] with prod(batch) == the cache's batch)")
+    codes = arrays["k_codes"]
+    if key.shape[-2:] != (codes.shape[1], books.head_dim):
+        raise ValueError(f"PQ cache is for {codes.shape[1]} KV heads of dim {books.head_dim}, got key {key.shape}")
+    flat = lambda x: x.reshape((b,) + x.shape[-3:])  # noqa: E731
+    layer = PQLayer(**{n: arrays[n] for n in CACHE_FIELDS}, quantize_all=settings.quantize_all, impl=settings.impl)
+    t = query.shape[-3]
+    n_new = jnp.full((b,), t, jnp.int32)
+    out, layer = layer.attend(books, flat(query), flat(key), flat(value), lengths, n_new)
+    new = {n: getattr(layer, n) for n in CACHE_FIELDS}
+    new["lengths"] = jnp.minimum(lengths + n_new, layer.max_len)
+    return out.reshape(query.shape), new
+
+
+def fit_layers(kv: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]], *, M: int, nbits: int,
+               granularity: str = "layer_head", key: jax.Array, iters: int = 25,
+               max_vectors: int = DEFAULT_MAX_VECTORS) -> PQCodebooks:
+    """Codebooks from the keys / values each layer saw: ``kv[layer]`` is a list of
+    (k, v) float[*batch, T, Hkv, d], one per calibration call (:func:`~million_jax.fit_kv_codebooks`)."""
+    if not kv or any(not calls for calls in kv):
+        raise ValueError("calibration recorded no keys/values: did the inputs run through the PQ attention layers?")
+
+    def pool(i: int, j: int) -> np.ndarray:  # layer i, keys (0) or values (1) -> [Hkv, N, d]
+        parts = [np.asarray(call[j], np.float32) for call in kv[i]]
+        return np.swapaxes(np.concatenate([p.reshape((-1,) + p.shape[-2:]) for p in parts]), 0, 1)
+
+    keys = [pool(i, 0) for i in range(len(kv))]
+    values = [pool(i, 1) for i in range(len(kv))]
+    shapes = {k.shape for k in keys}
+    if len(shapes) != 1:
+        raise ValueError(f"the attention layers saw different numbers of tokens / heads: {sorted(shapes)}")
+    return fit_kv_codebooks(np.stack(keys), np.stack(values), M=M, nbits=nbits, granularity=granularity, key=key,
+                            iters=iters, max_vectors=max_vectors)

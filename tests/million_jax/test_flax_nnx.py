@@ -1,0 +1,143 @@
+"""NNX drop-in: PQMultiHeadAttention against an independent reference, the stock layer and jit."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from million_jax.codebook_io import load_kv_codebooks, save_kv_codebooks
+from million_jax.flax import PQCodebook, PQMultiHeadAttention, attach_codebooks, calibrate_nnx, pq_layers
+
+from flax_models import (D_MODEL, HEADS, VOCAB, NNXDecoder, assert_nearest_codes, project, random_books,
+                          reference_attention, to_np)
+
+HKV, HEAD_DIM = 2, D_MODEL // HEADS
+
+
+def _layer(window=0, sinks=0, impl="xla", seed=0):
+    books = random_books(1, HKV, HEAD_DIM, M=4, nbits=5, seed=seed)
+    return PQMultiHeadAttention(HEADS, D_MODEL, num_kv_heads=HKV, decode=True, codebooks=books, window=window,
+                                sinks=sinks, impl=impl, rngs=nnx.Rngs(seed))
+
+
+@pytest.mark.parametrize("window,sinks", [(0, 0), (3, 2)])
+def test_decode_equals_reference_attention_from_codes(window, sinks):
+    layer = _layer(window, sinks, seed=window)
+    rng = np.random.default_rng(window)
+    x = rng.standard_normal((2, 9, D_MODEL)).astype(np.float32)
+    layer.init_cache((2, 16, D_MODEL))
+    kb, vb = to_np(layer.key_codebook[...]), to_np(layer.value_codebook[...])
+    p = {n: (to_np(getattr(layer, n).kernel[...]), to_np(getattr(layer, n).bias[...])) for n in ("query", "key", "value")}
+    q, k, v = (project(to_np(x), *p[n]) for n in ("query", "key", "value"))
+    k, v = np.swapaxes(k, 1, 2), np.swapaxes(v, 1, 2)  # [B, Hkv, N, d]
+    start, call = 0, nnx.jit(lambda m, x: m(x))
+    for t in (5, 1, 1, 2):  # a prefill chunk, then decode steps
+        out = call(layer, jnp.asarray(x[:, start:start + t]))
+        n = start + t
+        kc, vc = np.asarray(layer.k_codes[...])[:, :, :n], np.asarray(layer.v_codes[...])[:, :, :n]
+        assert_nearest_codes(kc, k[:, :, :n], kb)
+        assert_nearest_codes(vc, v[:, :, :n], vb)
+        att = reference_attention(q[:, start:n], k[:, :, :n], v[:, :, :n], kc, vc, kb, vb, start, window, sinks)
+        want = np.einsum("bthd,hdo->bto", att, to_np(layer.out.kernel[...])) + to_np(layer.out.bias[...])
+        np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+        start = n
+    assert np.asarray(layer.lengths[...]).tolist() == [start, start]
+
+
+def test_pallas_kernel_path_matches_xla():
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 4, D_MODEL)), jnp.float32)
+    outs, call = [], nnx.jit(lambda m, x: m(x))
+    for impl in ("xla", "pallas"):
+        layer = _layer(impl=impl, seed=1)
+        layer.init_cache((2, 8, D_MODEL))
+        call(layer, x[:, :3])
+        outs.append(np.asarray(call(layer, x[:, 3:4])))  # one-token step: the kernel (interpret mode on CPU)
+    # impl="pallas" raises rather than fall back; the kernel scores in bf16 by default
+    np.testing.assert_allclose(outs[1], outs[0], rtol=2e-2, atol=2e-2)
+
+
+def _decode_logits(model, tokens):
+    """logits float[B, T, V] of a token-by-token (jitted) decode of tokens int[B, T]."""
+    model.init_cache(tokens.shape[0])
+    step = nnx.jit(lambda m, tok, i: m(tok, start=i, decode=True))
+    return jnp.concatenate([step(model, tokens[:, i:i + 1], jnp.int32(i)) for i in range(tokens.shape[1])], axis=1)
+
+
+def test_calibrated_12bit_logits_close_to_stock():
+    stock = NNXDecoder()
+    rng = np.random.default_rng(2)
+    calib = [jnp.asarray(rng.integers(0, VOCAB, (16, 64)))]  # 1024 tokens x 2 KV heads x 2 layers
+    eval_tokens = jnp.asarray(rng.integers(0, VOCAB, (2, 10)))
+    dense = _decode_logits(stock, eval_tokens)
+    errors, spread = {}, float(jnp.std(dense))
+    for nbits in (12, 4):
+        pq = NNXDecoder(PQMultiHeadAttention, impl="xla")
+        nnx.update(pq, nnx.state(stock, nnx.Param))  # the stock weights load as they are
+        if nbits == 12:  # non-decode: the stock layer's output
+            np.testing.assert_array_equal(np.asarray(pq(eval_tokens)), np.asarray(stock(eval_tokens)))
+        books = calibrate_nnx(pq, calib, M=4, nbits=nbits, granularity="shared", key=jax.random.PRNGKey(0), iters=4)
+        assert books.key.centroids.shape == (2, 1, 4, 2 ** nbits, 2)
+        errors[nbits] = float(jnp.abs(_decode_logits(pq, eval_tokens) - dense).mean())
+    assert errors[12] < 0.06 * spread, (errors, spread)
+    assert errors[12] < errors[4] / 4, errors  # the comparison can tell codebooks apart
+
+
+def test_jit_with_donated_cache_compiles_once():
+    model = NNXDecoder(PQMultiHeadAttention, impl="xla")
+    attach_codebooks(model, random_books(2, HKV, HEAD_DIM, M=4, nbits=4))
+    model.init_cache(2, 16)
+    graphdef, params, books, cache = nnx.split(model, nnx.Param, PQCodebook, nnx.Cache)
+    traces = []
+
+    def step(params, books, cache, tok, start):
+        traces.append(1)
+        m = nnx.merge(graphdef, params, books, cache)
+        return m(tok, start=start, decode=True), nnx.state(m, nnx.Cache)
+
+    step = jax.jit(step, donate_argnums=2)
+    tok = jnp.zeros((2, 1), jnp.int32)
+    for i in range(4):
+        old = cache
+        logits, cache = step(params, books, cache, tok + i, jnp.int32(i))
+        assert all(x.is_deleted() for x in jax.tree.leaves(old))  # the cache was donated ...
+    assert not any(x.is_deleted() for x in jax.tree.leaves(books))  # ... the codebooks never are
+    assert len(traces) == 1 and logits.shape == (2, 1, VOCAB)
+    lengths = [x for p, x in nnx.to_flat_state(cache) if p[-1] == "lengths"]
+    assert [np.asarray(x).tolist() for x in lengths] == [[4, 4], [4, 4]]
+
+
+def test_codebook_file_round_trip(tmp_path):
+    model = NNXDecoder(PQMultiHeadAttention, impl="xla")
+    books = random_books(2, HKV, HEAD_DIM, M=8, nbits=4, seed=3)
+    save_kv_codebooks(tmp_path / "books.safetensors", books)
+    loaded, _ = load_kv_codebooks(tmp_path / "books.safetensors")
+    paths = attach_codebooks(model, loaded)
+    assert paths == [("blocks", 0, "attn"), ("blocks", 1, "attn")]
+    for i, (_, layer) in enumerate(pq_layers(model)):
+        np.testing.assert_array_equal(np.asarray(layer.key_codebook[...]), np.asarray(books.key.centroids[i]))
+
+
+def test_clear_errors():
+    books = random_books(1, HKV, HEAD_DIM, M=4, nbits=4)
+    with pytest.raises(ValueError, match="head_dim 8"):
+        PQMultiHeadAttention(HEADS, 2 * D_MODEL, num_kv_heads=HKV, codebooks=books, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="head groups"):
+        PQMultiHeadAttention(HEADS, D_MODEL, num_kv_heads=4, codebooks=books, rngs=nnx.Rngs(0))
+    bare = PQMultiHeadAttention(HEADS, D_MODEL, num_kv_heads=HKV, decode=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="no codebooks"):
+        bare.init_cache((1, 8, D_MODEL))
+    with pytest.raises(ValueError, match="for 1 layers, the model has 2"):
+        attach_codebooks(NNXDecoder(PQMultiHeadAttention), books)
+    layer = _layer()
+    x = jnp.ones((2, 1, D_MODEL))
+    with pytest.raises(ValueError, match="init_cache"):
+        layer(x)
+    layer.init_cache((2, 8, D_MODEL))
+    with pytest.raises(ValueError, match="holds 2 sequences"):
+        layer(jnp.ones((3, 1, D_MODEL)))
+    with pytest.raises(ValueError, match="mask is not supported"):
+        layer(x, mask=jnp.ones((2, 1, 1, 8), bool))
+    with pytest.raises(ValueError, match="impl"):
+        PQMultiHeadAttention(HEADS, D_MODEL, impl="cuda", rngs=nnx.Rngs(0))
