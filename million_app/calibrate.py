@@ -12,6 +12,7 @@ import numpy as np
 
 from million_app.errors import UsageError
 from million_app.progress import bar
+from million_app.report import atomic_path, check_out_dir, copy_mode
 from million_jax.pq_codebooks import PQCodebooks
 from million_jax.cache.query_stats import QueryStatsCache
 from million_jax.calibration import DEFAULT_MAX_VECTORS, collect_kv, collect_query_gram, fit_kv_codebooks
@@ -106,12 +107,15 @@ def codebook_metadata(model: LoadedModel, books: PQCodebooks, **extra) -> dict:
     return meta
 
 
-def save_model_codebooks(path: str, books: PQCodebooks, meta: dict) -> None:
-    """Write key/value codebooks and their metadata (see :func:`codebook_metadata`)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"--out: directory {parent} does not exist")
-    save_kv_codebooks(path, books, meta)
+def save_model_codebooks(path: str, books: PQCodebooks, meta: dict, flag: str = "--out") -> None:
+    """Write key/value codebooks and their metadata (see :func:`codebook_metadata`).
+
+    Atomic: a failure or Ctrl-C leaves no partial file and an existing ``path`` as it was.
+    """
+    check_out_dir(path, flag)
+    with atomic_path(path, flag) as tmp:
+        save_kv_codebooks(tmp, books, meta, atomic=False)
+        copy_mode(path, tmp)
 
 
 def load_model_codebooks(path: str, model: LoadedModel) -> tuple[PQCodebooks, dict]:
@@ -169,8 +173,7 @@ def calibration_kvq(model: LoadedModel, ids: Sequence[int], *, tokens: int, wind
     pbar = bar(n_win, "calibration forward", unit="window")
 
     def progress(done: int, total: int) -> None:
-        pbar.n = done
-        pbar.refresh()
+        pbar.set(done)
 
     try:
         k, v, gram, count = collect_model_kvq(model, ids, window=window, batch=batch, max_tokens=use,
@@ -183,12 +186,21 @@ def calibration_kvq(model: LoadedModel, ids: Sequence[int], *, tokens: int, wind
 def fit_model_codebooks(k: np.ndarray, v: np.ndarray, *, M: int, nbits: int, granularity: str,
                         seed: int = 0, iters: int = 25,
                         max_vectors: int = DEFAULT_MAX_VECTORS) -> PQCodebooks:
-    """``fit_kv_codebooks`` with settings errors as UsageErrors."""
+    """``fit_kv_codebooks`` with a progress bar (one step per jitted fit; Ctrl-C stops in
+    between) and settings errors as UsageErrors."""
+    pbar = bar(1, "k-means", unit="fit")
+
+    def progress(done: int, total: int) -> None:
+        pbar.set(done, total)
+
     try:
         return fit_kv_codebooks(k, v, M=M, nbits=nbits, granularity=granularity,
-                                key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters)
+                                key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
+                                progress=progress)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    finally:
+        pbar.close()
 
 
 def kmeans_problem_summary(shape: tuple[int, ...], M: int, nbits: int, granularity: str,

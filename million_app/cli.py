@@ -15,7 +15,9 @@ line and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
 from typing import Sequence
 
 from million_app.errors import UsageError
@@ -34,6 +36,13 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _text_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--encoding", default="utf-8", help="encoding of the text file(s) (default utf-8)")
+    p.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                   help="strict (default): refuse a binary or undecodable text file; "
+                        "replace: read it anyway, bad bytes replaced")
 
 
 def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -73,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="fit K/V codebooks on calibration text")
     _model_args(p)
     p.add_argument("--text", required=True, help=TEXT_HELP)
+    _text_args(p)
     p.add_argument("--tokens", type=int, default=16384, help="calibration tokens (default 16384)")
     p.add_argument("--bits", type=int, choices=(1, 2, 3, 4),
                    help="stored bits per K/V element: picks the best measured recipe (key/value budgets, "
@@ -88,10 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=512, help="calibration window (default 512)")
     p.add_argument("--batch", type=int, default=4, help="windows per forward (default 4)")
     p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
 
     p = sub.add_parser("eval", help="perplexity through a KV cache (MILLION's protocol)")
     _model_args(p)
     p.add_argument("--text", required=True, help=TEXT_HELP)
+    _text_args(p)
     _cache_args(p, "all")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--max-tokens", type=int, help="use the first N tokens (default: all)")
@@ -103,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--calib", required=True, help="calibration text: " + TEXT_HELP)
     p.add_argument("--text", required=True, help="evaluation text: " + TEXT_HELP)
+    _text_args(p)
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--calib-tokens", type=int, default=16384, help="default 16384")
     p.add_argument("--max-tokens", type=int, default=8192, help="evaluation tokens (default 8192)")
@@ -155,21 +168,65 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script; returns the exit status."""
+def _run_in_worker(fn, args: argparse.Namespace) -> int:
+    """Run ``fn(args)`` in a worker thread while this (main) thread waits.
+
+    The main thread stays free to take Ctrl-C at once (a signal cannot interrupt a running
+    XLA computation) and prints a status line now and then off a terminal. On Ctrl-C the
+    worker is told to stop at its next step (``progress.cancel``) and KeyboardInterrupt is
+    raised here.
+    """
     from million_app import progress
 
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["rc"] = fn(args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            box["exc"] = e
+
+    worker = threading.Thread(target=target, name="million-jax-command", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.25)
+            progress.heartbeat()
+    except KeyboardInterrupt:
+        progress.cancel()
+        worker.join(1.0)  # a step that ends now still stops cleanly
+        raise
+    if "exc" in box:
+        raise box["exc"]
+    return int(box.get("rc") or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status.
+
+    Called with ``argv=None`` (the console script, ``python -m million_app``), a Ctrl-C ends
+    the process at once with status 130 after removing partial output files (finished
+    outputs are written atomically, so old ones stay intact). Called with a list (tests,
+    notebooks), it returns 130 and the command stops at its next step.
+    """
+    from million_app import progress, report
+
+    progress.reset()
     try:
         args = build_parser().parse_args(argv)
         progress.set_quiet(getattr(args, "quiet", False))
         from million_app import commands
 
-        return int(getattr(commands, f"cmd_{args.command}")(args) or 0)
+        return _run_in_worker(getattr(commands, f"cmd_{args.command}"), args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        report.remove_partial_files()
+        print("interrupted", file=sys.stderr, flush=True)
+        if argv is None:
+            sys.stdout.flush()
+            os._exit(130)  # the worker may be inside XLA; do not wait for it or tear it down
         return 130
 
 

@@ -9,11 +9,12 @@ from million_app.calibrate import (calibration_kvq, codebook_metadata, fit_model
                                    save_model_codebooks)
 from million_app.corpus import text_hash
 from million_app.errors import UsageError
-from million_app.flags import cache_spec, check_positive, load_text
+from million_app.flags import (cache_spec, check_codebook_settings, check_positions,
+                               check_positive, load_text)
 from million_app.loading import model_name, open_model, tokenize
 from million_app.perplexity import evaluate
 from million_app.recipes import fit_recipe, recipe_for_bits
-from million_app.report import check_out_dir, environment, human_bytes, memory_line, write_json
+from million_app.report import check_writable, environment, human_bytes, memory_line, write_json
 
 
 # ---------------------------------------------------------------------------- calibrate
@@ -21,9 +22,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit K/V codebooks on calibration text and save them with metadata."""
     check_positive(tokens=args.tokens, iters=args.iters, max_vectors=args.max_vectors,
                    batch=args.batch, M=args.M)
-    check_out_dir(args.out, "--out")
-    text = load_text(args.text, "--text")
+    check_writable(args.out, "--out", overwrite=args.force)
+    text = load_text(args.text, "--text", args)
     model = open_model(args.model)
+    check_positions(model, args.window, f"--window {args.window}")
     d = model.config.head_dim
     recipe = None
     if args.bits is not None:
@@ -35,8 +37,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     M = args.M or d // 2
     if d % M:
         raise UsageError(f"--M {M} does not divide the model's head_dim {d}")
-    if not 1 <= nbits <= 12:
-        raise UsageError(f"--nbits must be in 1..12, got {nbits}")
+    check_codebook_settings(nbits, args.max_vectors)
     ids = tokenize(model, text)
     progress.status(f"calibration text {args.text}: {len(ids)} tokens, using up to {args.tokens}")
     k, v, gram, count, used = calibration_kvq(model, ids, tokens=args.tokens, window=args.window,
@@ -71,9 +72,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Perplexity through one cache (MILLION's windowed protocol)."""
     check_positive(window=args.window, max_tokens=args.max_tokens, batch=args.batch)
     if args.json:
-        check_out_dir(args.json, "--json")
-    text = load_text(args.text, "--text")
+        check_writable(args.json, "--json")
+    text = load_text(args.text, "--text", args)
     model = open_model(args.model)
+    check_positions(model, args.window, f"--window {args.window}")
     spec = cache_spec(args, model)
     ids = tokenize(model, text, bos=args.bos)
     progress.status(f"eval text {args.text}: {len(ids)} tokens; {spec.label()}")

@@ -18,14 +18,17 @@ from million_app.caches import CacheChoice
 from million_app.calibrate import calibration_kv, fit_model_codebooks, kmeans_problem_summary
 from million_app.corpus import read_text
 from million_app.errors import UsageError
-from million_app.flags import check_positive
+from million_app.flags import check_codebook_settings, check_positions, check_positive
 from million_app.generation import chat_prompt, stream_generate
 from million_app.loading import model_name, open_model, tokenize
 from million_app.perplexity import evaluate
-from million_app.report import check_out_dir, human_bytes, write_json
+from million_app.report import check_writable, human_bytes, write_json
 
+GRANULARITY_WORDS = {"shared": "one codebook for the whole model",
+                    "layer": "one codebook per layer",
+                    "layer_head": "one codebook per layer and KV head"}
 PROMPT = "What does the Python statement `yield` do? Answer in two sentences."
-LONG_CONTEXT = 8192  # the sequence length the memory comparison is quoted at
+LONG_CONTEXT = 8192  # a long sequence, to show how the saving grows
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
@@ -34,10 +37,12 @@ def run_demo_command(args: argparse.Namespace) -> int:
                    window=args.window, iters=args.iters, max_vectors=args.max_vectors,
                    new_tokens=args.new_tokens, M=args.M)
     if args.json:
-        check_out_dir(args.json, "--json")
+        check_writable(args.json, "--json")
     t_start = time.perf_counter()
     model = open_model(args.model)
     cfg = model.config
+    check_positions(model, args.window, f"--window {args.window}")
+    check_codebook_settings(args.nbits, args.max_vectors)
     M = args.M or cfg.head_dim // 2
     if cfg.head_dim % M:
         raise UsageError(f"--M {M} does not divide the model's head_dim {cfg.head_dim}")
@@ -47,6 +52,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
           f"half); codebooks M={M}, nbits={args.nbits} ({M * args.nbits / cfg.head_dim:g} "
           f"bits/elem), {args.granularity}, k-means {args.iters} iterations on <= "
           f"{args.max_vectors} vectors each")
+    print(f"    (each head vector of {cfg.head_dim} numbers is cut into M={M} pieces and each "
+          f"piece stored as the {args.nbits}-bit index of its nearest k-means centroid; "
+          f"{args.granularity} = {GRANULARITY_WORDS[args.granularity]})")
     print(f"  evaluation:  first {args.eval_tokens} tokens of builtin:eval (second half), "
           f"windows of {args.window}, every key/value read from codes (MILLION's protocol)")
     calib_ids = tokenize(model, read_text("builtin:calib"))
@@ -64,19 +72,20 @@ def run_demo_command(args: argparse.Namespace) -> int:
     dense = CacheChoice(kind="dense")
     pq = CacheChoice(kind="pq", codebooks=books, protocol="all")
     ev = dict(window=args.window, max_tokens=args.eval_tokens)
-    rd = evaluate(model, eval_ids, dense, **ev)
-    rp = evaluate(model, eval_ids, pq, **ev)
+    rd = evaluate(model, eval_ids, dense, desc="perplexity, dense cache", **ev)
+    rp = evaluate(model, eval_ids, pq, desc="perplexity, PQ cache", **ev)
     mem = pq.memory(cfg, 1, LONG_CONTEXT)
     print()
-    print(f"perplexity over {rd['tokens']} tokens ({rd['windows']} windows of {args.window}):")
+    print(f"perplexity over {rd['tokens']} tokens ({rd['windows']} windows of {args.window}; "
+          "lower is better):")
     print(f"  dense cache ({rd['cache_dtype']}):  {rd['ppl']:.3f}")
     print(f"  PQ cache ({pq.label()}):  {rp['ppl']:.3f}  "
           f"({100 * (rp['ppl'] / rd['ppl'] - 1):+.1f}%)")
-    print(f"memory for one {LONG_CONTEXT}-token sequence: dense {mem['dense_cache_dtype']} "
-          f"{human_bytes(mem['dense_cache_bytes'])} -> PQ {human_bytes(mem['cache_bytes'])} "
-          f"({mem['dense_cache_bytes'] / mem['cache_bytes']:.1f}x smaller, "
-          f"{human_bytes(mem['dense_cache_bytes'] - mem['cache_bytes'])} saved); codebooks "
-          f"{human_bytes(books.nbytes)} once per model")
+    print(f"KV-cache memory of one {args.window}-token window (the evaluated length): "
+          + _saving(rp["dense_cache_dtype"], rp["dense_cache_bytes"], rp["cache_bytes"]))
+    print(f"  and of one {LONG_CONTEXT}-token sequence: "
+          + _saving(mem["dense_cache_dtype"], mem["dense_cache_bytes"], mem["cache_bytes"])
+          + f"; the codebooks take {human_bytes(books.nbytes)} once per model")
 
     samples = {}
     has_chat = model.tokenizer.token_to_id("<|im_start|>") is not None
@@ -85,7 +94,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
     realistic = CacheChoice(kind="pq", codebooks=books, protocol="realistic", recent=32)
     for name, spec in (("dense", dense), ("pq", realistic)):
         buf = io.StringIO()
-        r = stream_generate(model, ids, spec, max_new_tokens=args.new_tokens, out=buf)
+        r = stream_generate(model, ids, spec, max_new_tokens=args.new_tokens, out=buf,
+                            bar_desc=f"generating, {name} cache")
         samples[name] = r
     print(f"\nprompt: {PROMPT}")
     for name, label in (("dense", "dense cache"), ("pq", "PQ cache, last 32 tokens exact")):
@@ -99,8 +109,16 @@ def run_demo_command(args: argparse.Namespace) -> int:
         write_json(args.json, {
             "model": model_name(model), "calib_tokens": used, "eval_tokens": args.eval_tokens,
             "M": M, "nbits": args.nbits, "granularity": args.granularity, "iters": args.iters,
-            "dense": rd, "pq": rp, "memory_long_context": mem, "long_context": LONG_CONTEXT,
+            "dense": rd, "pq": rp, "memory_eval_window": {
+                k: rp[k] for k in ("cache_bytes", "dense_cache_bytes", "dense_cache_dtype")},
+            "memory_long_context": mem, "long_context": LONG_CONTEXT,
             "samples": {n: {"text": r["text"], "decode_tokens_per_s": r["decode_tokens_per_s"]}
                         for n, r in samples.items()},
             "fit_seconds": fit_s, "total_seconds": total})
     return 0
+
+
+def _saving(dtype: str, dense: int, pq: int) -> str:
+    """'dense bfloat16 1.5 MiB -> PQ 0.4 MiB (3.8x smaller, 1.1 MiB saved)'."""
+    return (f"dense {dtype} {human_bytes(dense)} -> PQ {human_bytes(pq)} ({dense / pq:.1f}x "
+            f"smaller, {human_bytes(dense - pq)} saved)")

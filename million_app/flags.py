@@ -6,6 +6,9 @@ these; this module imports none of them, so the application layer's imports stay
 from __future__ import annotations
 
 import argparse
+import os
+
+import jax
 
 from million_app.caches import CacheChoice
 from million_app.calibrate import load_model_codebooks
@@ -14,12 +17,54 @@ from million_app.errors import UsageError
 from models import LoadedModel
 
 
-def load_text(spec: str, flag: str) -> str:
-    """read_text with missing/empty files as UsageErrors naming the flag."""
+def load_text(spec: str, flag: str, args: argparse.Namespace | None = None) -> str:
+    """read_text (with ``args.encoding`` / ``args.errors``); missing, empty, binary or
+    undecodable files are UsageErrors naming the flag."""
+    encoding = getattr(args, "encoding", None) or "utf-8"
+    errors = getattr(args, "errors", None) or "strict"
     try:
-        return read_text(spec)
-    except (FileNotFoundError, ValueError) as e:
+        return read_text(spec, encoding, errors)
+    except (OSError, ValueError) as e:
         raise UsageError(f"{flag}: {e}") from None
+
+
+def check_codebook_settings(nbits: int, max_vectors: int) -> None:
+    """UsageError for --nbits outside 1..12 or --max-vectors below its 2**nbits centroids."""
+    if not 1 <= nbits <= 12:
+        raise UsageError(f"--nbits must be in 1..12, got {nbits}")
+    if max_vectors < 2 ** nbits:
+        raise UsageError(f"--max-vectors {max_vectors} is below the 2**{nbits} = {2 ** nbits} "
+                         f"centroids of --nbits {nbits}")
+
+
+def check_positions(model: LoadedModel, n: int, what: str) -> None:
+    """UsageError if ``what`` needs more than the model's max_position_embeddings positions."""
+    limit = model.config.max_position_embeddings
+    if n > limit:
+        raise UsageError(f"{what} needs {n} positions, more than the model's "
+                         f"max_position_embeddings {limit} (it was not trained that far)")
+
+
+def available_memory() -> int | None:
+    """Bytes free for a new allocation: the accelerator's, else the host's (None if unknown)."""
+    if jax.default_backend() != "cpu":
+        try:
+            st = jax.devices()[0].memory_stats() or {}
+            if "bytes_limit" in st:
+                return int(st["bytes_limit"]) - int(st.get("bytes_in_use", 0))
+        except Exception:  # noqa: BLE001 - memory stats are optional per backend
+            return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def check_positive(**values: int | None) -> None:

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from million_app import progress
 from million_app.caches import CacheChoice
 from million_app.errors import UsageError
-from million_app.flags import cache_spec
+from million_app.flags import available_memory, cache_spec, check_positions
 from million_app.loading import model_name, open_model, tokenize
-from million_app.report import check_out_dir, human_bytes, write_json
+from million_app.report import check_writable, human_bytes, write_json
 from models import LoadedModel, decode_step, prefill, sample_logits
 
 CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -32,23 +32,46 @@ def chat_prompt(model: LoadedModel, prompt: str) -> str:
     return CHAT_TEMPLATE.format(prompt=prompt)
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """UsageError for sampling settings ``sample_logits`` cannot use."""
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise UsageError(f"bad sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}"
+                         " (need temperature >= 0, top_k >= 0, 0 < top_p <= 1)")
+
+
+def check_fits(model: LoadedModel, spec: CacheChoice, prompt_tokens: int, max_new_tokens: int) -> int:
+    """The cache length prompt + new tokens; UsageError (one line) if it exceeds the model's
+    max_position_embeddings or the cache would not fit in the free memory."""
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    max_len = prompt_tokens + max_new_tokens
+    check_positions(model, max_len, f"the prompt ({prompt_tokens} tokens) + --max-new-tokens "
+                                    f"{max_new_tokens}")
+    need = spec.memory(model.config, 1, max_len)["cache_bytes"]
+    free = available_memory()
+    if free is not None and need > free:
+        raise UsageError(f"a {spec.label()} cache for {max_len} positions needs "
+                         f"{human_bytes(need)}, more than the {human_bytes(free)} free here; "
+                         "lower --max-new-tokens")
+    return max_len
+
+
 def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheChoice, *,
                     max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 1.0, seed: int = 0, out: TextIO | None = None) -> dict[str, Any]:
+                    top_p: float = 1.0, seed: int = 0, out: TextIO | None = None,
+                    bar_desc: str | None = None) -> dict[str, Any]:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, writing text to ``out``.
 
     Returns a dict: text, tokens, prompt_tokens, new_tokens, stop ("eos" / "max_tokens"),
     prefill_s, decode_tokens_per_s, cache_bytes (of the filled cache) and the memory
-    accounting of ``CacheChoice.memory`` for this sequence length.
+    accounting of ``CacheChoice.memory`` for this sequence length. ``bar_desc``: show a
+    progress bar (tokens, ETA) under that name, for output that is not streamed to a terminal.
     """
     if not prompt_ids:
         raise UsageError("the prompt is empty")
-    if max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise UsageError(f"bad sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}")
+    check_sampling(temperature, top_k, top_p)
     cfg, params = model.config, model.params
-    max_len = len(prompt_ids) + max_new_tokens
+    max_len = check_fits(model, spec, len(prompt_ids), max_new_tokens)
     cache, consts = spec.build(cfg, 1, max_len)
     key = jax.random.PRNGKey(seed)
     eos = set(cfg.eos_ids)
@@ -63,24 +86,31 @@ def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheCh
     shown = ""
     step_times: list[float] = []
     stop = "max_tokens"
-    for i in range(max_new_tokens):
-        key, sub = jax.random.split(key)
-        tok = sample_logits(logits, sub, temperature, top_k, top_p)
-        generated.append(int(tok[0]))
-        text = model.decode(generated, skip_special_tokens=True)
-        if out is not None and not text.endswith("\ufffd") and text.startswith(shown):
-            out.write(text[len(shown):])
-            out.flush()
-            shown = text
-        if generated[-1] in eos:
-            stop = "eos"
-            break
-        if i == max_new_tokens - 1:
-            break
-        t1 = time.perf_counter()
-        logits, cache = decode_step(cfg, params, cache, tok, consts)
-        logits.block_until_ready()
-        step_times.append(time.perf_counter() - t1)
+    pbar = progress.bar(max_new_tokens, bar_desc, unit="token") if bar_desc else None
+    try:
+        for i in range(max_new_tokens):
+            key, sub = jax.random.split(key)
+            tok = sample_logits(logits, sub, temperature, top_k, top_p)
+            generated.append(int(tok[0]))
+            if pbar is not None:
+                pbar.update()
+            text = model.decode(generated, skip_special_tokens=True)
+            if out is not None and not text.endswith("\ufffd") and text.startswith(shown):
+                out.write(text[len(shown):])
+                out.flush()
+                shown = text
+            if generated[-1] in eos:
+                stop = "eos"
+                break
+            if i == max_new_tokens - 1:
+                break
+            t1 = time.perf_counter()
+            logits, cache = decode_step(cfg, params, cache, tok, consts)
+            logits.block_until_ready()
+            step_times.append(time.perf_counter() - t1)
+    finally:
+        if pbar is not None:
+            pbar.close()
     text = model.decode(generated, skip_special_tokens=True)
     if out is not None:
         out.write(text[len(shown):] + "\n")
@@ -98,14 +128,42 @@ def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheCh
     return r
 
 
+def size_note(spec: CacheChoice, model: LoadedModel, r: dict[str, Any]) -> str | None:
+    """Why a quantized cache can be larger than dense for a short sequence, or None.
+
+    A realistic-protocol cache keeps the last ``recent`` (and first ``sinks``) tokens in
+    full precision besides the codes of every position; below a break-even length that
+    exact window costs more than it saves.
+    """
+    if spec.kind == "dense" or r["cache_bytes"] < r["dense_cache_bytes"]:
+        return None
+    cfg, n1 = model.config, r["cache_shape"]["max_len"]
+    n2 = 2 * n1 + 256
+    m2 = spec.memory(cfg, 1, n2)
+    saved_per_token = ((m2["dense_cache_bytes"] - r["dense_cache_bytes"])
+                       - (m2["cache_bytes"] - r["cache_bytes"])) / (n2 - n1)
+    exact = f"the last {spec.recent} tokens" + (f" and first {spec.sinks}" if spec.sinks else "")
+    msg = (f"  (the {spec.kind} cache is larger than dense here: besides the codes of all {n1} "
+           f"positions it holds {exact} exact in {spec.dtype} (the exact window, "
+           "--recent/--sinks)")
+    if saved_per_token > 0:
+        even = n1 + (r["cache_bytes"] - r["dense_cache_bytes"]) / saved_per_token
+        msg += f"; it is smaller than dense from about {int(even) + 1} positions on"
+    return msg + ")"
+
+
 def run_generate_command(args: argparse.Namespace) -> int:
     """``million-jax generate``."""
     if args.json:
-        check_out_dir(args.json, "--json")
+        check_writable(args.json, "--json")
     model = open_model(args.model)
     spec = cache_spec(args, model)
     prompt = chat_prompt(model, args.prompt) if args.chat else args.prompt
     ids = tokenize(model, prompt)
+    if not ids:
+        raise UsageError("the prompt is empty")
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    check_fits(model, spec, len(ids), args.max_new_tokens)
     progress.status(f"{model_name(model)}, {spec.label()}, prompt {len(ids)} tokens")
     if not args.chat:
         sys.stdout.write(args.prompt)
@@ -118,6 +176,9 @@ def run_generate_command(args: argparse.Namespace) -> int:
           f"{r['prefill_s']:.2f} s; decode {speed} (first step, which compiles, excluded); "
           f"{spec.label()} cache {human_bytes(r['cache_bytes'])} for {r['cache_shape']['max_len']} "
           f"positions vs dense {r['dense_cache_dtype']} {human_bytes(r['dense_cache_bytes'])}]")
+    note = size_note(spec, model, r)
+    if note:
+        print(note)
     if args.json:
         r["model"] = model_name(model)
         r["prompt"] = args.prompt

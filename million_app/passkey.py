@@ -21,7 +21,7 @@ from million_app.caches import CacheChoice
 from million_app.errors import UsageError
 from million_app.flags import cache_spec, check_positive
 from million_app.loading import model_name, open_model, tokenize
-from million_app.report import check_out_dir, write_json
+from million_app.report import check_writable, write_json
 from models import LoadedModel, generate
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -115,7 +115,7 @@ def run_passkey_command(args: argparse.Namespace) -> int:
     """``million-jax passkey``."""
     check_positive(trials=args.trials, batch=args.batch)
     if args.json:
-        check_out_dir(args.json, "--json")
+        check_writable(args.json, "--json")
     model = open_model(args.model)
     spec = cache_spec(args, model)
     lengths = parse_lengths(args.lengths, model.config.max_position_embeddings)

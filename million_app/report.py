@@ -4,11 +4,15 @@ from __future__ import annotations
 import json
 import os
 import platform
-from typing import Any
+import tempfile
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import jax
 
 from million_app.errors import UsageError
+from million_app.progress import check_cancelled
+from million_jax.codebook_io import replacement_mode
 
 
 def human_bytes(n: float) -> str:
@@ -27,12 +31,83 @@ def check_out_dir(path: str, flag: str) -> None:
         raise UsageError(f"{flag}: directory {parent} does not exist")
 
 
-def write_json(path: str, obj: Any, flag: str = "--json") -> None:
-    """Write ``obj`` as indented JSON (parent directory must exist)."""
+def check_writable(path: str, flag: str, *, overwrite: bool = True, force_flag: str = "--force") -> None:
+    """UsageError (one line) unless ``path`` can be written; checked before any work starts.
+
+    ``path`` must not be a directory, its directory must exist and accept a new file (tried
+    for real: a probe file is created and removed), and an existing file must be writable.
+    With ``overwrite=False`` an existing file is refused unless ``force_flag`` is given.
+    """
+    if os.path.isdir(path):
+        raise UsageError(f"{flag}: {path} is a directory; give a file name")
     check_out_dir(path, flag)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=False, default=_jsonable)
-        f.write("\n")
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(path):
+        if not overwrite:
+            raise UsageError(f"{flag}: {path} already exists; pass {force_flag} to replace it "
+                             "or choose another name")
+        if not os.access(path, os.W_OK):
+            raise UsageError(f"{flag}: {path} is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".million-jax-probe-", dir=parent)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot write in {parent} ({e.strerror or e})") from None
+
+
+_PARTIAL: set[str] = set()
+
+
+def remove_partial_files() -> None:
+    """Delete temporary files of writes still in progress (called on Ctrl-C)."""
+    for p in list(_PARTIAL):
+        try:
+            os.remove(p)
+        except OSError:
+            pass
+        _PARTIAL.discard(p)
+
+
+@contextmanager
+def atomic_path(path: str, flag: str) -> Iterator[str]:
+    """``with atomic_path(out, "--out") as tmp:`` write ``tmp``; it replaces ``out`` at the end.
+
+    On any failure (or Ctrl-C) the temporary file is removed and ``out`` is left as it was;
+    an OSError becomes one UsageError line naming ``flag``.
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot write in {parent} ({e.strerror or e})") from None
+    os.close(fd)
+    _PARTIAL.add(tmp)
+    try:
+        yield tmp
+        check_cancelled()
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot write {path} ({e.strerror or e})") from None
+    finally:
+        _PARTIAL.discard(tmp)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json(path: str, obj: Any, flag: str = "--json") -> None:
+    """Write ``obj`` as indented JSON, atomically (see :func:`atomic_path`)."""
+    check_out_dir(path, flag)
+    text = json.dumps(obj, indent=2, sort_keys=False, default=_jsonable) + "\n"
+    with atomic_path(path, flag) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        copy_mode(path, tmp)
+
+
+def copy_mode(path: str, tmp: str) -> None:
+    """Give ``tmp`` the mode of the file it replaces, or the umask default for a new file."""
+    os.chmod(tmp, replacement_mode(path))
 
 
 def _jsonable(x: Any) -> Any:

@@ -30,10 +30,10 @@ from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_
                                    save_model_codebooks)
 from million_app.corpus import text_hash
 from million_app.errors import UsageError
-from million_app.flags import check_positive, load_text
+from million_app.flags import check_positions, check_positive, load_text
 from million_app.loading import model_name, open_model, tokenize
 from million_app.perplexity import eval_windows, evaluate
-from million_app.report import environment, human_bytes, write_json
+from million_app.report import check_writable, environment, human_bytes, write_json
 
 # (dsub, nbits, granularity)
 PQ_GRID: tuple[tuple[int, int, str], ...] = (
@@ -264,9 +264,15 @@ def run_sweep_command(args: argparse.Namespace) -> int:
                    batch=args.batch, iters=args.iters, max_vectors=args.max_vectors)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out} exists and is not a directory")
-    calib = load_text(args.calib, "--calib")
-    text = load_text(args.text, "--text")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out: cannot create directory {args.out} ({e.strerror or e})") from None
+    check_writable(os.path.join(args.out, "results.json"), "--out")
+    calib = load_text(args.calib, "--calib", args)
+    text = load_text(args.text, "--text", args)
     model = open_model(args.model)
+    check_positions(model, args.window, f"--window {args.window}")
     s = SweepSettings(calib=args.calib, text=args.text, calib_tokens=args.calib_tokens,
                       max_tokens=args.max_tokens, window=args.window, batch=args.batch,
                       iters=args.iters, max_vectors=args.max_vectors, seed=args.seed,

@@ -22,7 +22,7 @@ from million_jax.pq import (
     storage_bits_per_element,
 )
 from million_jax.pq_codebooks import GRANULARITIES, PQCodebooks
-from million_jax.cache import (DenseCache, DenseLayer, KVCache, LayerState, PQCache, PQLayer, UniformCache,
+from million_jax.cache import (CacheOverflowError, DenseCache, DenseLayer, KVCache, LayerState, PQCache, PQLayer, UniformCache,
                                UniformLayer)
 from million_jax.cache.spec import CACHE_KINDS, CacheShape, CacheSpec, make_cache
 from million_jax.calibration import collect_kv, fit_kv_codebooks
@@ -39,6 +39,7 @@ __all__ = [
     "DenseCache",
     "DenseLayer",
     "KVCache",
+    "CacheOverflowError",
     "LayerState",
     "PQCache",
     "PQCodebooks",

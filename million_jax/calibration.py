@@ -19,18 +19,22 @@ likely, so positions, heads and layers are sampled uniformly.
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import numpy as np
 
 from million_jax.cache.dense import DenseCache
 from million_jax.cache.query_stats import QueryStatsCache
 from million_jax.kv_transforms import transform_rows
-from million_jax.pq import check_nbits, check_subspaces, fit_codebooks
+from million_jax.pq import Codebooks, check_nbits, check_subspaces, fit_codebooks
 from million_jax.pq_codebooks import GRANULARITIES, PQCodebooks
 
-__all__ = ["collect_kv", "collect_query_gram", "fit_kv_codebooks", "DEFAULT_MAX_VECTORS"]
+__all__ = ["collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_in_chunks", "DEFAULT_MAX_VECTORS",
+           "GROUPS_PER_FIT"]
 
 DEFAULT_MAX_VECTORS = 65536
+GROUPS_PER_FIT = 8  # codebook groups per jitted k-means call (a chance to stop in between)
 
 
 def collect_kv(cache: DenseCache) -> tuple[np.ndarray, np.ndarray]:
@@ -88,6 +92,8 @@ def fit_kv_codebooks(
     value_nbits: int | None = None,
     key_transform: np.ndarray | None = None,
     value_transform: np.ndarray | None = None,
+    groups_per_fit: int = GROUPS_PER_FIT,
+    progress: Callable[[int, int], None] | None = None,
 ) -> PQCodebooks:
     """Fit key and value codebooks from calibration samples.
 
@@ -96,6 +102,9 @@ def fit_kv_codebooks(
     laid out per layer: centroids [L, G, M, K, dsub], G = Hkv or 1. M / nbits are the keys'
     budget, value_M / value_nbits the values' (default: the keys'); transforms see the module
     docstring.
+
+    The codebook groups are fitted ``groups_per_fit`` at a time (:func:`fit_in_chunks`);
+    ``progress(done, total)`` is called after each such fit (it may raise to stop).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -122,6 +131,15 @@ def fit_kv_codebooks(
         values = transform_rows(values, value_transform)
     kk, kv = jax.random.split(key)
     rng = np.random.default_rng(int(jax.random.randint(kk, (), 0, 2**31 - 1)))
+    n_groups = {"shared": 1, "layer": keys.shape[0], "layer_head": keys.shape[0] * keys.shape[1]}
+    per_set = fits_needed(n_groups[granularity], groups_per_fit)
+    done = [0]
+
+    def step() -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], 2 * per_set)
+
     out = []
     for sub, x, M, nbits in ((kk, keys, M, nbits), (kv, values, value_M, value_nbits)):
         need = 2**nbits
@@ -131,6 +149,56 @@ def fit_kv_codebooks(
                 f"calibration gives {pooled.shape[-2]} vectors per {granularity} codebook, fewer than "
                 f"K=2**{nbits}={need}; use more calibration tokens or fewer bits"
             )
-        out.append(fit_codebooks(pooled, M, nbits, key=sub, iters=iters, chunk_size=chunk_size))
+        out.append(fit_in_chunks(pooled, M, nbits, key=sub, groups_per_fit=groups_per_fit,
+                                 progress=step, iters=iters, chunk_size=chunk_size))
     books = PQCodebooks.from_centroids(out[0].centroids, out[1].centroids, granularity, num_layers=keys.shape[0])
     return books.with_transforms(key_transform, value_transform)
+
+
+def chunk_groups(g: int, groups_per_fit: int) -> int:
+    """Groups per fit for G = ``g`` groups (see :func:`fit_in_chunks`)."""
+    gpf = max(1, int(groups_per_fit))
+    if g <= gpf:
+        return g
+    return next((s for s in range(gpf, max(1, gpf // 2) - 1, -1) if g % s == 0), -(-g // -(-g // gpf)))
+
+
+def fits_needed(g: int, groups_per_fit: int) -> int:
+    """How many fits :func:`fit_in_chunks` makes for ``g`` groups."""
+    return -(-g // chunk_groups(g, groups_per_fit))
+
+
+def fit_in_chunks(pooled: np.ndarray, M: int, nbits: int, *, key: jax.Array,
+                  groups_per_fit: int = GROUPS_PER_FIT, progress: Callable[[], None] | None = None,
+                  **kmeans_options: Any):
+    """``fit_codebooks`` over pooled float32[*G, N, d], ``groups_per_fit`` groups per call.
+
+    Splitting the work gives the caller a chance to report progress or stop between calls
+    (``progress()`` runs after each; it may raise). One call (G <= groups_per_fit) is exactly
+    ``fit_codebooks(pooled, key=key)``; otherwise chunk i uses ``fold_in(key, i)``. Chunks
+    are equal (a divisor of G in [groups_per_fit / 2, groups_per_fit] when there is one, else
+    the last chunk is padded with copies of its last group, discarded) so one compiled
+    program serves every chunk. Returns Codebooks with centroids float32[*G, M, K, dsub].
+    """
+    lead = pooled.shape[:-2]
+    g = int(np.prod(lead)) if lead else 1
+    size = chunk_groups(g, groups_per_fit)
+    if size >= g:
+        res = fit_codebooks(pooled, M, nbits, key=key, **kmeans_options)
+        if progress is not None:
+            progress()
+        return res
+    n_chunks = -(-g // size)
+    flat = pooled.reshape((g,) + pooled.shape[-2:])
+    parts = []
+    for i in range(n_chunks):
+        chunk = flat[i * size: (i + 1) * size]
+        real = chunk.shape[0]
+        if real < size:
+            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], size - real, axis=0)])
+        books = fit_codebooks(chunk, M, nbits, key=jax.random.fold_in(key, i), **kmeans_options)
+        parts.append(np.asarray(books.centroids)[:real])
+        if progress is not None:
+            progress()
+    cents = np.concatenate(parts, axis=0)
+    return Codebooks(centroids=cents.reshape(lead + cents.shape[1:]))

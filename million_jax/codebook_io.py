@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from typing import Any, Mapping
 
 import numpy as np
@@ -38,8 +39,15 @@ def save_codebooks(
     codebooks: Mapping[str, Codebooks],
     metadata: Mapping[str, Any] | None = None,
     extras: Mapping[str, np.ndarray] | None = None,
+    *,
+    atomic: bool = True,
 ) -> None:
-    """Write named codebooks, extra float32 tensors and JSON-serialisable ``metadata`` to ``path``."""
+    """Write named codebooks, extra float32 tensors and JSON-serialisable ``metadata`` to ``path``.
+
+    With ``atomic`` (default) the file is written next to ``path`` and renamed over it, so a
+    failure leaves no partial file and an existing ``path`` intact; a replaced file keeps its
+    permissions, a new one gets the umask's (``0o666 & ~umask``).
+    """
     from safetensors.numpy import save_file
 
     if not codebooks:
@@ -69,9 +77,30 @@ def save_codebooks(
     except TypeError as e:
         raise ValueError(f"save_codebooks: metadata is not JSON-serialisable: {e}") from None
     path = os.fspath(path)
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata={_META_KEY: text})
-    os.replace(tmp, path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"save_codebooks: {path} is a directory")
+    if not atomic:
+        save_file(tensors, path, metadata={_META_KEY: text})
+        return
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={_META_KEY: text})
+        os.chmod(tmp, replacement_mode(path))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def replacement_mode(path: str) -> int:
+    """The permission bits a file written at ``path`` should get (see :func:`save_codebooks`)."""
+    if os.path.exists(path):
+        return os.stat(path).st_mode & 0o7777
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def load_codebooks(
@@ -172,13 +201,13 @@ _KV_EXTRAS = ("key_transform", "value_transform")
 
 
 def save_kv_codebooks(path: str | os.PathLike, books: PQCodebooks,
-                      metadata: Mapping[str, Any] | None = None) -> None:
+                      metadata: Mapping[str, Any] | None = None, *, atomic: bool = True) -> None:
     """Write a model's key/value codebooks in their fitted form, granularity recorded."""
     key, value = books.compact()
     meta = dict(metadata or {})
     meta.update(granularity=books.granularity, n_layers=books.num_layers)
     extras = {name: np.asarray(getattr(books, name)) for name in _KV_EXTRAS if getattr(books, name) is not None}
-    save_codebooks(path, {"key": key, "value": value}, meta, extras)
+    save_codebooks(path, {"key": key, "value": value}, meta, extras, atomic=atomic)
 
 
 def load_kv_codebooks(path: str | os.PathLike, expect: Mapping[str, Any] | None = None,

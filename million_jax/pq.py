@@ -161,6 +161,22 @@ def _check_codebook_input(cb: Codebooks, x_dim: int, what: str) -> None:
         )
 
 
+def _check_groups(cb: Codebooks, lead: tuple[int, ...], what: str, name: str) -> None:
+    """ValueError unless the leading axes ``lead`` of x/codes broadcast with the groups."""
+    try:
+        np.broadcast_shapes(lead, cb.group_shape)
+    except ValueError:
+        raise ValueError(
+            f"{what}: {name} leading axes {lead} do not broadcast against the codebook's "
+            f"group axes {cb.group_shape} (centroids {tuple(cb.centroids.shape)})"
+        ) from None
+
+
+def _concrete(a: jax.Array) -> bool:
+    """Whether ``a`` holds values this host can read (not a tracer, not spread over hosts)."""
+    return not isinstance(a, jax.core.Tracer) and getattr(a, "is_fully_addressable", True)
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size",))
 def _encode(centroids: jax.Array, x: jax.Array, chunk_size: int) -> jax.Array:
     M, K, dsub = centroids.shape[-3:]
@@ -185,11 +201,15 @@ def encode(codebooks: Codebooks, x: jax.Array, *, chunk_size: int = 16384) -> ja
     if x.ndim < 2:
         raise ValueError(f"encode: x must be [..., N, d], got shape {x.shape}")
     _check_codebook_input(codebooks, x.shape[-1], "encode")
+    _check_groups(codebooks, x.shape[:-2], "encode", "x")
     return _encode(codebooks.centroids, x, chunk_size)
 
 
 def decode(codebooks: Codebooks, codes: jax.Array) -> jax.Array:
-    """codes uint[*G', N, M] -> float32[*broadcast(G', G), N, d]."""
+    """codes uint[*G', N, M] -> float32[*broadcast(G', G), N, d].
+
+    Codes outside [0, K) are a ValueError when their values are known (outside jit).
+    """
     codes = jnp.asarray(codes)
     if codes.ndim < 2 or codes.shape[-1] != codebooks.num_subspaces:
         raise ValueError(
@@ -197,6 +217,13 @@ def decode(codebooks: Codebooks, codes: jax.Array) -> jax.Array:
         )
     if not jnp.issubdtype(codes.dtype, jnp.integer):
         raise ValueError(f"decode: codes must be integers, got {codes.dtype}")
+    _check_groups(codebooks, codes.shape[:-2], "decode", "codes")
+    k = codebooks.num_centroids
+    if _concrete(codes) and codes.size:
+        lo, hi = int(jnp.min(codes)), int(jnp.max(codes))
+        if lo < 0 or hi >= k:
+            raise ValueError(f"decode: codes must be in [0, {k}) for K={k} centroids, got values "
+                             f"in [{lo}, {hi}]")
     return gather_centroids(codebooks.centroids, codes)
 
 

@@ -27,7 +27,8 @@ Conventions (all caches):
                                    (ragged prefill); 0 is allowed
     token t of sequence b sits at position ``lengths[b] + t``; it attends to every stored
     position <= its own. Writes past ``max_len`` are dropped, never out of bounds; callers
-    check ``lengths`` before writing.
+    check first: ``cache.overflow(n_new)`` (bool[B], works under jit); the model's
+    ``prefill`` / ``decode_step`` raise ``CacheOverflowError`` when the lengths are concrete.
 
 ``cache_consts`` holds arrays that are constant across steps (PQ codebooks) and must not be
 donated with the cache; it is ``None`` for caches that need none. Caches are immutable
@@ -45,7 +46,7 @@ import numpy as np
 
 PyTree = Any
 
-__all__ = ["CACHE_DIMS", "LayerState", "KVCache", "check_cache_args", "register_cache", "token_rows", "write_rows"]
+__all__ = ["CACHE_DIMS", "CacheOverflowError", "LayerState", "KVCache", "check_cache_args", "register_cache", "token_rows", "write_rows"]
 
 
 class LayerState(abc.ABC):
@@ -106,9 +107,22 @@ class KVCache:
         lengths = jnp.minimum(self.lengths + n_new.astype(jnp.int32), self.max_len)
         return dataclasses.replace(self, layers=layers, lengths=lengths)
 
+    def overflow(self, n_new: jax.Array) -> jax.Array:
+        """bool[B]: rows whose ``n_new`` new tokens do not all fit (the excess would be dropped).
+
+        Works under jit: a hand-written decode loop checks it (``generate`` stops such a row
+        with the reason ``cache_full``); ``prefill`` / ``decode_step`` raise
+        :class:`CacheOverflowError` themselves when called with concrete values.
+        """
+        return self.lengths + jnp.asarray(n_new, jnp.int32) > self.max_len
+
     def nbytes(self) -> int:
         """Bytes of the per-step cache state (every array leaf; cache_consts excluded)."""
         return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(self))
+
+
+class CacheOverflowError(ValueError):
+    """New tokens do not fit in the cache (raised on the host, where the lengths are known)."""
 
 
 # The leading constructor arguments of every cache kind, in order.

@@ -58,3 +58,10 @@ def one_error_line(res: Result) -> str:
     assert lines[0].startswith("error: "), res.err
     assert "Traceback" not in res.err
     return lines[0]
+
+
+@pytest.fixture
+def error_line():
+    """``one_error_line`` as a fixture (a plain ``from conftest import`` can pick up another
+    directory's conftest when several test directories run together)."""
+    return one_error_line

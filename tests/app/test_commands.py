@@ -8,6 +8,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
+from million_app import progress
 from million_app.passkey import first_number, passkey_prompt
 from models import generate, init_cache, load_model
 
@@ -89,18 +90,27 @@ def test_passkey_command(cli, tiny_dir, codebooks, tmp_path):
     assert "| 400 |" in res.out
 
 
-def test_demo_on_tiny_model(cli, tiny_dir, tmp_path):
+def test_demo_on_tiny_model(cli, tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(progress, "_INTERVAL", 0.0)  # a status line per step (not a terminal)
     out = tmp_path / "demo.json"
     res = cli("demo", "--model", tiny_dir, "--calib-tokens", 512, "--eval-tokens", 256,
               "--window", 128, "--nbits", 4, "--iters", 2, "--max-vectors", 512,
-              "--new-tokens", 4, "--json", out, "--quiet")
+              "--new-tokens", 4, "--json", out)
     assert res.rc == 0, res.err
     r = json.loads(out.read_text())
     assert r["dense"]["tokens"] == r["pq"]["tokens"] == 2 * 127
     assert r["pq"]["bits_per_elem"] == 8 * 4 / 16
     assert r["memory_long_context"]["cache_bytes"] < r["memory_long_context"]["dense_cache_bytes"]
-    for needle in ("perplexity over", "dense cache", "PQ cache", "memory for one", "prompt:"):
-        assert needle in res.out
+    assert r["memory_eval_window"]["cache_bytes"] == r["pq"]["cache_bytes"]
+    for needle in ("perplexity over", "lower is better", "dense cache", "PQ cache",
+                   "layer_head = one codebook per layer and KV head",
+                   "memory of one 128-token window (the evaluated length)", "prompt:"):
+        assert needle in res.out, needle
+    # off a terminal: status lines with counts (and ETA) for every long phase
+    for needle in ("calibration forward: 4/4 windows", "k-means: ", " fits", "ETA",
+                   "perplexity, dense cache: 2/2 windows", "generating, dense cache: ",
+                   "generating, pq cache: 4/4 tokens"):
+        assert needle in res.err, needle
 
 
 def test_python_dash_m_entry_point():

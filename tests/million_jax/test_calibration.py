@@ -62,3 +62,31 @@ def test_subsampling_bounds_vectors_and_errors():
         fit_kv_codebooks(k[:, :, :0], k[:, :, :0], M=2, nbits=2, key=jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="granularity"):
         fit_kv_codebooks(k, k, M=2, nbits=2, granularity="head", key=jax.random.PRNGKey(0))
+
+
+def test_fit_in_chunks_reports_progress_and_matches_one_fit():
+    from million_jax.calibration import fit_in_chunks
+    from million_jax.pq import fit_codebooks
+
+    rng = np.random.default_rng(3)
+    pooled = rng.standard_normal((5, 2, 64, 4)).astype(np.float32)           # G = (5, 2)
+    key = jax.random.PRNGKey(0)
+    calls = []
+    one = fit_in_chunks(pooled, 2, 2, key=key, groups_per_fit=10, progress=lambda: calls.append(1), iters=2)
+    ref = fit_codebooks(pooled, 2, 2, key=key, iters=2)
+    np.testing.assert_array_equal(np.asarray(one.centroids), np.asarray(ref.centroids))
+    assert calls == [1]
+    calls.clear()
+    many = fit_in_chunks(pooled, 2, 2, key=key, groups_per_fit=5, progress=lambda: calls.append(1), iters=2)
+    assert many.centroids.shape == ref.centroids.shape and len(calls) == 2   # 10 = 2 x 5 groups
+    # every group is fitted on its own data: its centroids lie in its points' range
+    c = np.asarray(many.centroids)                                            # [5, 2, M, K, dsub]
+    assert np.all(c.max(axis=(2, 3, 4)) <= pooled.max(axis=(2, 3)) + 1e-5)
+    calls.clear()
+    odd = fit_in_chunks(pooled.reshape(10, 64, 4)[:7], 2, 2, key=key, groups_per_fit=5,
+                        progress=lambda: calls.append(1), iters=2)           # 7: 4 + 3 (padded)
+    assert odd.centroids.shape == (7, 2, 4, 2) and len(calls) == 2
+    steps = []
+    fit_kv_codebooks(pooled, pooled, M=2, nbits=2, key=key, iters=2, groups_per_fit=5,
+                     progress=lambda d, t: steps.append((d, t)))
+    assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]                        # 10 groups -> 2 fits each

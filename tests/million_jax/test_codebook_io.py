@@ -82,3 +82,20 @@ def test_unserialisable_metadata(tmp_path, books):
     with pytest.raises(ValueError, match="JSON"):
         save_codebooks(tmp_path / "x.safetensors", books, {"bad": object()})
     assert not os.path.exists(tmp_path / "x.safetensors")
+
+
+def test_save_keeps_mode_of_replaced_file_and_leaves_nothing_on_failure(tmp_path, books):
+    p = tmp_path / "cb.safetensors"
+    save_codebooks(p, books)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert p.stat().st_mode & 0o777 == 0o666 & ~mask          # not safetensors' 0600
+    os.chmod(p, 0o640)
+    save_codebooks(p, books, {"second": True})
+    assert p.stat().st_mode & 0o777 == 0o640
+    assert load_codebooks(p)[1] == {"second": True}
+    with pytest.raises(IsADirectoryError):
+        save_codebooks(tmp_path, books)
+    with pytest.raises(ValueError, match="JSON"):
+        save_codebooks(p, books, {"bad": object()})
+    assert sorted(os.listdir(tmp_path)) == ["cb.safetensors"]   # no .tmp left behind

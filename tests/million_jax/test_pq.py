@@ -117,3 +117,27 @@ def test_mismatched_dims_rejected():
         decode(cb, np.zeros((10, 3), np.uint8))
     with pytest.raises(ValueError, match="power of two"):
         Codebooks(np.zeros((4, 3, 2), np.float32)).validate()
+
+
+def test_decode_rejects_codes_out_of_range_and_bad_groups():
+    x = _data(5, (2, 300, 8))
+    cb = fit_codebooks(x, 4, 3, key=jax.random.PRNGKey(0), iters=1)          # K = 8, G = (2,)
+    codes = np.asarray(encode(cb, x))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(decode(cb, codes))), True)
+    bad = codes.copy()
+    bad[1, 7, 2] = 8                                                           # one code == K
+    with pytest.raises(ValueError, match=r"codes must be in \[0, 8\).*\[0, 8\]"):
+        decode(cb, bad)
+    with pytest.raises(ValueError, match=r"in \[0, 8\)"):
+        decode(cb, codes.astype(np.int32) - 1)                                 # negative codes
+    with pytest.raises(ValueError, match="group axes"):
+        decode(cb, codes[:1].repeat(3, axis=0))                                # 3 groups vs 2
+    # under jit the values are unknown: no host check, the shape check still applies
+    assert jax.jit(lambda c: decode(cb, c))(codes).shape == (2, 300, 8)
+
+
+def test_encode_rejects_mismatched_group_axes():
+    cb = fit_codebooks(_data(6, (2, 300, 8)), 4, 3, key=jax.random.PRNGKey(0), iters=1)
+    with pytest.raises(ValueError, match=r"encode: x leading axes \(3,\).*group axes \(2,\)"):
+        encode(cb, _data(7, (3, 10, 8)))
+    assert encode(cb, _data(7, (10, 8))).shape == (2, 10, 4)                  # broadcasts
