@@ -145,11 +145,11 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-def run_real(seed: int, iters: int = 25, grid_iters: int = 10) -> list[dict]:
+def run_real(seed: int, iters: int = 25, grid_iters: int = 10, grid_only: bool = False) -> list[dict]:
     """Rows on SmolLM2 keys/values: ours vs faiss vs C Lloyd vs NumPy Lloyd, then the K x dsub grid."""
     rows = []
     keys, values = real_kv()
-    for kind, x in (("keys", keys), ("values", values)):
+    for kind, x in () if grid_only else (("keys", keys), ("values", values)):
         M, nbits = 32, 8
         probs = subspaces(x, x.shape[-1] // M)
         fit = lambda s: kmeans(jnp.asarray(probs), 2**nbits, key=jax.random.PRNGKey(s), iters=iters).centroids  # noqa: E731
@@ -197,6 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write results to this JSON file")
     ap.add_argument("--small", action="store_true", help="run only the small case")
     ap.add_argument("--real", action="store_true", help="SmolLM2 keys/values + C / NumPy Lloyd + K grid")
+    ap.add_argument("--grid-only", action="store_true", help="with --real: only the K x sub-vector grid")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
         print("faiss-cpu is not installed: pip install faiss-cpu", file=sys.stderr)
         return 2
     if args.real:
-        rows = run_real(args.seed)
+        rows = run_real(args.seed, grid_only=args.grid_only)
         if args.json:
             write_results(args.json, rows, load_avg_1min=os.getloadavg()[0])
         return 0
