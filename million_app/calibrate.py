@@ -12,7 +12,7 @@ import numpy as np
 
 from million_app.errors import UsageError
 from million_app.progress import bar
-from million_app.report import atomic_path, check_out_dir, copy_mode
+from million_app.report import atomic_path, check_out_dir
 from million_jax.pq_codebooks import PQCodebooks
 from million_jax.cache.query_stats import QueryStatsCache
 from million_jax.calibration import DEFAULT_MAX_VECTORS, collect_kv, collect_query_gram, fit_kv_codebooks
@@ -115,7 +115,6 @@ def save_model_codebooks(path: str, books: PQCodebooks, meta: dict, flag: str = 
     check_out_dir(path, flag)
     with atomic_path(path, flag) as tmp:
         save_kv_codebooks(tmp, books, meta, atomic=False)
-        copy_mode(path, tmp)
 
 
 def load_model_codebooks(path: str, model: LoadedModel) -> tuple[PQCodebooks, dict]:

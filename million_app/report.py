@@ -12,7 +12,7 @@ import jax
 
 from million_app.errors import UsageError
 from million_app.progress import check_cancelled
-from million_jax.codebook_io import replacement_mode
+from million_jax.files import atomic_file
 
 
 def human_bytes(n: float) -> str:
@@ -73,26 +73,24 @@ def remove_partial_files() -> None:
 def atomic_path(path: str, flag: str) -> Iterator[str]:
     """``with atomic_path(out, "--out") as tmp:`` write ``tmp``; it replaces ``out`` at the end.
 
-    On any failure (or Ctrl-C) the temporary file is removed and ``out`` is left as it was;
-    an OSError becomes one UsageError line naming ``flag``.
+    :func:`million_jax.files.atomic_file` (mode kept or umask default), plus: a Ctrl-C before
+    the replace removes the temporary file and leaves ``out`` as it was, and an OSError
+    becomes one UsageError line naming ``flag``.
     """
     parent = os.path.dirname(os.path.abspath(path))
+    created = False
     try:
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=parent)
+        with atomic_file(path) as tmp:
+            created = True
+            _PARTIAL.add(tmp)
+            try:
+                yield tmp
+                check_cancelled()
+            finally:
+                _PARTIAL.discard(tmp)
     except OSError as e:
-        raise UsageError(f"{flag}: cannot write in {parent} ({e.strerror or e})") from None
-    os.close(fd)
-    _PARTIAL.add(tmp)
-    try:
-        yield tmp
-        check_cancelled()
-        os.replace(tmp, path)
-    except OSError as e:
-        raise UsageError(f"{flag}: cannot write {path} ({e.strerror or e})") from None
-    finally:
-        _PARTIAL.discard(tmp)
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        where = f"write {path}" if created else f"write in {parent}"
+        raise UsageError(f"{flag}: cannot {where} ({e.strerror or e})") from None
 
 
 def write_json(path: str, obj: Any, flag: str = "--json") -> None:
@@ -102,12 +100,6 @@ def write_json(path: str, obj: Any, flag: str = "--json") -> None:
     with atomic_path(path, flag) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
-        copy_mode(path, tmp)
-
-
-def copy_mode(path: str, tmp: str) -> None:
-    """Give ``tmp`` the mode of the file it replaces, or the umask default for a new file."""
-    os.chmod(tmp, replacement_mode(path))
 
 
 def _jsonable(x: Any) -> Any:

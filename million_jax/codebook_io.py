@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any, Mapping
 
 import numpy as np
 
+from million_jax.files import atomic_file
 from million_jax.pq import Codebooks
 from million_jax.pq_codebooks import PQCodebooks
 
@@ -82,25 +82,8 @@ def save_codebooks(
     if not atomic:
         save_file(tensors, path, metadata={_META_KEY: text})
         return
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
-                               dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         save_file(tensors, tmp, metadata={_META_KEY: text})
-        os.chmod(tmp, replacement_mode(path))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def replacement_mode(path: str) -> int:
-    """The permission bits a file written at ``path`` should get (see :func:`save_codebooks`)."""
-    if os.path.exists(path):
-        return os.stat(path).st_mode & 0o7777
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
 
 
 def load_codebooks(
