@@ -101,6 +101,15 @@ def _sq_dists_t(x: jax.Array, c: jax.Array) -> jax.Array:
     return jnp.maximum(d, 0.0)
 
 
+def _sq_to_point(xt: jax.Array, p: jax.Array) -> jax.Array:
+    """Squared distances f32[n] of points xt [d, n] (dims-major) to one point p [d], by exact
+    per-dimension differences (elementwise over the points, reduced over the major axis for
+    larger d; both vectorise on CPU)."""
+    if xt.shape[0] > SMALL_DIM:
+        return jnp.sum((xt - p[:, None]) ** 2, axis=0)
+    return sum((xt[j] - p[j]) ** 2 for j in range(xt.shape[0]))
+
+
 def _nearest_broadcast(x: jax.Array, c: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(index int32[n], sq_dist f32[n]) of x [n, d] against c [K, d], all K at once."""
     if x.shape[-1] <= SMALL_DIM:
@@ -119,12 +128,12 @@ def _nearest_scan(x: jax.Array, c: jax.Array) -> tuple[jax.Array, jax.Array]:
     vmapped problem at once), where a variadic argmin reduce over K is not vectorised. Strict
     ``<`` keeps the first of equal distances, as argmin does.
     """
-    n, dim = x.shape
+    n = x.shape[0]
     xt = x.T  # [d, n]
 
     def body(k, carry):
         best, idx = carry
-        dk = sum((xt[j] - c[k, j]) ** 2 for j in range(dim))
+        dk = _sq_to_point(xt, c[k])
         return jnp.minimum(best, dk), jnp.where(dk < best, k, idx)
 
     init = (jnp.full((n,), jnp.inf, jnp.float32), jnp.zeros((n,), jnp.int32))
@@ -251,8 +260,7 @@ def _kmeans_pp(key, x, w, k: int):
     first = _sample(w, us[0])
     cents = jnp.zeros((k, x.shape[1]), x.dtype).at[0].set(x[first])
     xt = x.T  # [d, n]
-    sq = lambda j: sum((xt[i] - x[j, i]) ** 2 for i in range(x.shape[1]))  # noqa: E731
-    d2 = sq(first)
+    d2 = _sq_to_point(xt, x[first])
 
     def body(i, carry):
         cents, d2 = carry
@@ -260,7 +268,7 @@ def _kmeans_pp(key, x, w, k: int):
         # All mass on chosen points (duplicates): fall back to the weights.
         p = jnp.where(_sum(p) > 0, p, w)
         j = _sample(p, us[i])
-        return cents.at[i].set(x[j]), jnp.minimum(d2, sq(j))
+        return cents.at[i].set(x[j]), jnp.minimum(d2, _sq_to_point(xt, x[j]))
 
     cents, _ = jax.lax.fori_loop(1, k, body, (cents, d2))
     return cents
