@@ -12,6 +12,7 @@ import numpy as np
 
 from million_app.errors import UsageError
 from million_app.progress import bar
+from million_app.query_sample import QueryRecordCache
 from million_app.report import atomic_path, check_out_dir
 from million_jax.pq_codebooks import PQCodebooks
 from million_jax.cache.query_stats import QueryStatsCache
@@ -180,6 +181,77 @@ def calibration_kvq(model: LoadedModel, ids: Sequence[int], *, tokens: int, wind
     finally:
         pbar.close()
     return k, v, gram, count, n_win * window
+
+
+def collect_model_kvq_samples(model: LoadedModel, ids: Sequence[int], *, window: int = 512, batch: int = 4,
+                              max_tokens: int | None = None, queries_per_window: int = 64, seed: int = 0,
+                              progress: Callable[[int, int], None] | None = None):
+    """As :func:`collect_model_kvq`, plus a sample of the raw post-RoPE queries.
+
+    Returns (k, v, q_gram, q_count, q, q_pos): k / v float32[L, Hkv, N, d], N = W * window
+    tokens in W windows; q_gram / q_count as collect_model_kvq; q float32[L, Hkv, G, W * S, d]
+    the queries of S = ``queries_per_window`` positions per window, drawn uniformly without
+    replacement per window (``seed``), grouped by the KV head their query head reads (query
+    head h = kv * G + g, as the model groups them); q_pos int32[W * S] their token index in
+    [0, N), window by window (what :mod:`million_jax.codebook_finetune` takes).
+    """
+    c = model.config
+    if not 1 <= queries_per_window <= window:
+        raise UsageError(f"queries per window must be in [1, {window}], got {queries_per_window}")
+    w = windows(ids, window, max_tokens)
+    rng = np.random.default_rng(seed)
+    g = c.n_heads // c.n_kv_heads
+    ks, vs, qs, pos = [], [], [], []
+    gram = np.zeros((c.n_layers, c.n_kv_heads, c.head_dim, c.head_dim))
+    count = np.zeros((c.n_layers, c.n_kv_heads))
+    for i in range(0, len(w), batch):
+        chunk = jnp.asarray(w[i : i + batch])
+        cache = QueryRecordCache.create(c.n_layers, chunk.shape[0], c.n_heads, c.n_kv_heads, window,
+                                        c.head_dim)
+        lengths = jnp.full((chunk.shape[0],), window, jnp.int32)
+        _, cache = prefill(c, model.params, cache, chunk, lengths, last_only=True)
+        k, v = collect_kv(cache.stats_cache())
+        gq, n = collect_query_gram(cache.stats_cache())
+        ks.append(k)
+        vs.append(v)
+        gram += gq
+        count += n
+        q = np.asarray(cache.layers.q)  # [L, B, window, H, d]
+        for b in range(chunk.shape[0]):
+            p = np.sort(rng.choice(window, size=queries_per_window, replace=False))
+            qb = q[:, b, p]  # [L, S, H, d]
+            qs.append(qb.reshape(c.n_layers, queries_per_window, c.n_kv_heads, g, c.head_dim)
+                      .transpose(0, 2, 3, 1, 4))
+            pos.append((i + b) * window + p)
+        if progress:
+            progress(min(i + batch, len(w)), len(w))
+    q = np.concatenate(qs, axis=3).astype(np.float32)
+    return (np.concatenate(ks, axis=2), np.concatenate(vs, axis=2), gram, count, q,
+            np.concatenate(pos).astype(np.int32))
+
+
+def calibration_kvq_samples(model: LoadedModel, ids: Sequence[int], *, tokens: int, window: int,
+                            batch: int = 4, queries_per_window: int = 64, seed: int = 0):
+    """(keys, values, query Gram sums, query counts, queries, query positions, tokens used) of the
+    first ``tokens`` ids with a progress bar (see :func:`collect_model_kvq_samples`)."""
+    if window < 2:
+        raise UsageError(f"--window must be >= 2, got {window}")
+    use = min(tokens, len(ids))
+    n_win = use // window
+    if n_win == 0:
+        raise UsageError(f"calibration text gives {use} tokens, fewer than one window of {window}"
+                         " (use more text or a smaller --window)")
+    pbar = bar(n_win, "calibration forward (with queries)", unit="window")
+
+    def progress(done: int, total: int) -> None:
+        pbar.set(done)
+
+    try:
+        out = collect_model_kvq_samples(model, ids, window=window, batch=batch, max_tokens=use,
+                                        queries_per_window=queries_per_window, seed=seed, progress=progress)
+    finally:
+        pbar.close()
+    return (*out, n_win * window)
 
 
 def fit_model_codebooks(k: np.ndarray, v: np.ndarray, *, M: int, nbits: int, granularity: str,
