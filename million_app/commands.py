@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from million_app import progress
-from million_app.calibrate import (calibration_kvq, codebook_metadata, fit_model_codebooks,
+from million_app.calibrate import (calibration_kvq, calibration_kvq_samples, codebook_metadata, fit_model_codebooks,
                                    kmeans_problem_summary, model_fingerprint,
                                    save_model_codebooks)
 from million_app.corpus import text_hash
@@ -40,8 +40,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_codebook_settings(nbits, args.max_vectors)
     ids = tokenize(model, text)
     progress.status(f"calibration text {args.text}: {len(ids)} tokens, using up to {args.tokens}")
-    k, v, gram, count, used = calibration_kvq(model, ids, tokens=args.tokens, window=args.window,
-                                              batch=args.batch)
+    queries = None
+    if recipe is not None and recipe.finetune is not None:
+        k, v, gram, count, q, q_pos, used = calibration_kvq_samples(model, ids, tokens=args.tokens,
+                                                                    window=args.window, batch=args.batch,
+                                                                    seed=args.seed)
+        queries = (q, q_pos, args.window)
+    else:
+        k, v, gram, count, used = calibration_kvq(model, ids, tokens=args.tokens, window=args.window,
+                                                  batch=args.batch)
     if recipe is None:
         progress.status("k-means: " + kmeans_problem_summary(k.shape, M, nbits, args.granularity,
                                                              args.max_vectors)
@@ -54,12 +61,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                                         seed=args.seed, iters=args.iters, max_vectors=args.max_vectors)
         else:
             books = fit_recipe(recipe, model, k, v, gram, count, granularity=args.granularity,
-                               seed=args.seed, iters=args.iters, max_vectors=args.max_vectors)
+                               seed=args.seed, iters=args.iters, max_vectors=args.max_vectors,
+                               queries=queries)
     meta = codebook_metadata(model, books, calib_text=args.text, calib_text_hash=text_hash(text),
                              calib_tokens=used, calib_window=args.window, seed=args.seed,
                              iters=args.iters, max_vectors=args.max_vectors,
                              fit_seconds=round(t["seconds"], 2),
-                             recipe=recipe.name if recipe else None)
+                             recipe=recipe.name if recipe else None,
+                             finetune_steps=recipe.finetune_steps if recipe else 0)
     save_model_codebooks(args.out, books, meta)
     print(f"wrote {args.out}: {books.recipe} {books.granularity} codebooks "
           f"({meta['bits_per_elem']:.2f} bits/elem, {human_bytes(books.nbytes)}) for "

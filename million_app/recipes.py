@@ -6,6 +6,11 @@ A recipe is what ``million-jax calibrate --bits B`` fits without the user choosi
     value_dsub, value_nbits   values alike
     query_aware               keys fitted on A k, A = (E[q q^T])^(1/2) per layer and KV head
     output_aware              values fitted on B v, B = (sum Wo_h Wo_h^T)^(1/2) per KV head
+    finetune_steps            > 0: the k-means centroids are then fine-tuned with that many Adam
+                              steps per layer on the attention-output error over calibration
+                              (q, k, v) (:mod:`million_jax.codebook_finetune`); needs query samples
+    finetune_reassign         0: codes fixed at the k-means assignment during fine-tuning;
+                              n > 0: re-encoded every n steps
 
 Stored bits per element (keys and values together) = (key_nbits / key_dsub +
 value_nbits / value_dsub) / 2. ``BEST_FOR_BITS`` holds, per budget, the recipe that measured
@@ -20,6 +25,7 @@ import numpy as np
 
 from million_app.errors import UsageError
 from million_jax.calibration import DEFAULT_MAX_VECTORS, fit_kv_codebooks
+from million_jax.codebook_finetune import FinetuneSettings, finetune_codebooks
 from million_jax.kv_transforms import output_value_transform, query_aware_key_transform
 from million_jax.pq_codebooks import PQCodebooks
 
@@ -35,6 +41,15 @@ class Recipe:
     value_nbits: int
     query_aware: bool = False
     output_aware: bool = False
+    finetune_steps: int = 0
+    finetune_reassign: int = 0
+
+    @property
+    def finetune(self) -> FinetuneSettings | None:
+        """The fine-tuning settings of this recipe (None: k-means only)."""
+        if not self.finetune_steps:
+            return None
+        return FinetuneSettings(steps=self.finetune_steps, reassign_every=self.finetune_reassign)
 
     @property
     def bits_per_elem(self) -> float:
@@ -60,6 +75,11 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq2-qa-ow", 4, 8, 4, 8, query_aware=True, output_aware=True),
     Recipe("pq2-qa-k1v3", 8, 8, 2, 6, query_aware=True),
     Recipe("pq1-qa", 8, 8, 8, 8, query_aware=True),
+    # k-means, then 100 Adam steps per layer on the attention-output error
+    Recipe("pq4-ft", 2, 8, 2, 8, finetune_steps=100),
+    Recipe("pq4-qa-ft", 2, 8, 2, 8, query_aware=True, finetune_steps=100),
+    Recipe("pq2-ft", 4, 8, 4, 8, finetune_steps=100),
+    Recipe("pq2-qa-ft", 4, 8, 4, 8, query_aware=True, finetune_steps=100),
 )}
 
 # bits per element -> recipe name (see the module docstring and the results README)
@@ -75,16 +95,34 @@ def recipe_for_bits(bits: int) -> Recipe:
 
 def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.ndarray, q_count: np.ndarray, *,
                granularity: str = "layer_head", seed: int = 0, iters: int = 25,
-               max_vectors: int = DEFAULT_MAX_VECTORS) -> PQCodebooks:
+               max_vectors: int = DEFAULT_MAX_VECTORS, queries: tuple | None = None,
+               finetune_report: list | None = None) -> PQCodebooks:
     """Codebooks of ``recipe`` from calibration K/V float32[L, Hkv, N, d] and the query Gram sums
-    float[L, Hkv, d, d] / counts [L, Hkv] (``million_app.calibrate.calibration_kvq``)."""
+    float[L, Hkv, d, d] / counts [L, Hkv] (``million_app.calibrate.calibration_kvq``).
+
+    A recipe with ``finetune_steps`` also needs ``queries = (q, q_pos, window)``: query samples
+    float32[L, Hkv, G, Nq, d], their token indices int[Nq] into the N calibration tokens and the
+    window length (``million_app.calibrate.calibration_kvq_samples``). The per-layer
+    ``LayerFinetune`` reports are appended to ``finetune_report`` when it is a list."""
     c = model.config
     kt = query_aware_key_transform(q_gram, q_count) if recipe.query_aware else None
     vt = (output_value_transform(np.asarray(model.params["layers"]["wo"], np.float32), c.n_heads, c.n_kv_heads)
           if recipe.output_aware else None)
+    ft = recipe.finetune
+    if ft is not None and queries is None:
+        raise UsageError(f"recipe {recipe.name} fine-tunes its codebooks and needs calibration query samples "
+                         "(million_app.calibrate.calibration_kvq_samples)")
     try:
-        return fit_kv_codebooks(k, v, **recipe.budgets(c.head_dim), granularity=granularity,
-                                key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
-                                key_transform=kt, value_transform=vt)
+        books = fit_kv_codebooks(k, v, **recipe.budgets(c.head_dim), granularity=granularity,
+                                 key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
+                                 key_transform=kt, value_transform=vt)
+        if ft is None:
+            return books
+        q, q_pos, window = queries
+        books, reports = finetune_codebooks(books, q, k, v, q_pos, window=window, settings=ft,
+                                            key=jax.random.fold_in(jax.random.PRNGKey(seed), 1))
     except ValueError as e:
         raise UsageError(f"recipe {recipe.name}: {e}") from None
+    if finetune_report is not None:
+        finetune_report.extend(reports)
+    return books
