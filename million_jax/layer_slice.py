@@ -8,6 +8,10 @@ straight from the stacked buffer (:func:`rows`, :func:`take_rows`), and only wha
 needs the whole layer (the Pallas kernel) asks for :func:`as_array`.
 
 Every function here takes a plain array (one layer, nothing to index) or a LayerSlice.
+
+Known limit (XLA CPU): bf16 / fp16 arithmetic is emulated in float32, and XLA hoists the
+convert of a loop-invariant 16-bit cache out of the tile loop, converting the whole cache
+every step. float32 caches (what a CPU user runs) and uint8 codes are read in place.
 """
 from __future__ import annotations
 
