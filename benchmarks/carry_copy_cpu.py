@@ -1,12 +1,15 @@
-"""Why a decode step still grows with T_max on CPU: XLA copies a scan carry that is written
-and then read in the same iteration.
+"""Why the cache protocol reads in the layer loop and writes after it: XLA copies a scan
+carry that is written and then read in the same iteration.
 
-A [30, 1, 3, T, 64] float32 "cache" rides in a ``lax.scan`` carry over 30 layers (donated);
-each layer writes one token row and sums one 512-row tile. Three orders of the same work:
+A [30, 1, 3, T, 64] float32 "cache" (donated) is read by a scan over 30 layers; each layer
+writes one token row and sums one 512-row tile. Four orders of the same work:
 
-    write_then_read   update the row, then read the tile        (what PQLayer.attend does)
-    read_then_write   read the tile, then update the row
-    slice_layer       slice the layer out, update, read, write the layer back (models/llama.py)
+    write_then_read   carry: update the row, then read the tile  (the protocol before 2026-12-02)
+    read_then_write   carry: read the tile, then update the row with a value that depends on
+                      the read (without that dependence XLA may order the write first and copy)
+    slice_layer       carry: slice the layer out, update, read, write the layer back
+    deferred          the cache is only read in the loop; the rows ride out as scan outputs and
+                      are written once after it (what million_jax/cache/base.py does now)
 
     python benchmarks/carry_copy_cpu.py            # prints ms per step for T = 2048 .. 32768
 """
@@ -23,6 +26,13 @@ LAYERS, HEADS, D, TILE = 30, 3, 64, 512
 
 def step_fn(mode: str):
     def step(k, pos):
+        if mode == "deferred":
+            def read(h, i):
+                s = jnp.sum(jax.lax.dynamic_slice(k, (i, 0, 0, 0, 0), (1, 1, HEADS, TILE, D)))
+                return h + s, jnp.ones((1, HEADS, 1, D)) * i.astype(jnp.float32)
+            h, new_rows = jax.lax.scan(read, 0.0, jnp.arange(LAYERS))
+            return jax.lax.dynamic_update_slice(k, new_rows, (0, 0, 0, pos, 0)), h
+
         def body(k, i):
             row = jnp.ones((1, 1, HEADS, 1, D))
             tile = lambda a: jax.lax.dynamic_slice(a, (i, 0, 0, 0, 0), (1, 1, HEADS, TILE, D))  # noqa: E731
@@ -50,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
     print(f"{'mode':>16} {'T_max':>7} {'ms/step':>9}")
-    for mode in ("write_then_read", "read_then_write", "slice_layer"):
+    for mode in ("write_then_read", "read_then_write", "slice_layer", "deferred"):
         f = step_fn(mode)
         for t in args.t_max:
             k = jnp.zeros((LAYERS, 1, HEADS, t, D), jnp.float32)

@@ -14,7 +14,17 @@ A recipe is what ``million-jax calibrate --bits B`` fits without the user choosi
 
 Stored bits per element (keys and values together) = (key_nbits / key_dsub +
 value_nbits / value_dsub) / 2. ``BEST_FOR_BITS`` holds, per budget, the recipe that measured
-best on SmolLM2-135M (benchmarks/results/recipes_smollm2/).
+best on SmolLM2-135M (benchmarks/results/recipes_smollm2/: 4096 tokens of builtin:eval, every
+key/value read from codes, ppl vs dense 11.260; every recipe of ``RECIPES`` measured, 2026-12-02):
+
+    4 b/elem  pq4-qa  +2.0%    (pq4 +2.7%, pq4-qa-ow +3.7%, pq4-qa-k3v5 +8.9%)
+    3 b/elem  pq3-qa  +11.9%   (the only 3 b/elem recipe)
+    2 b/elem  pq2-qa  +44.0%   (pq2-qa-ow +46.1%, pq2 +53.4%, pq2-qa-k1v3 +147.3%)
+    1 b/elem  pq1-qa  +290.5%  (the only 1 b/elem recipe; measured, but far from usable)
+
+With 4 exact sinks + 64 exact recent tokens (realistic/) plain pq4 (+0.2%) and pq2 (+2.2%)
+came out slightly ahead of pq4-qa (+0.5%) and pq2-qa (+2.3%); the table is picked on the
+all-from-codes protocol, the one issue 13's targets use.
 """
 from __future__ import annotations
 
@@ -82,7 +92,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq2-qa-ft", 4, 8, 4, 8, query_aware=True, finetune_steps=100),
 )}
 
-# bits per element -> recipe name (see the module docstring and the results README)
+# bits per element -> recipe name, the measured best per budget (module docstring, results README)
 BEST_FOR_BITS: dict[int, str] = {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-qa", 1: "pq1-qa"}
 
 

@@ -24,10 +24,11 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from million_jax.layer_slice import ArrayOrSlice
 from million_jax.tiling import tiled_attention
 from pallas_kernels.softmax import einsum_f32, group_heads, softmax_attention, ungroup_heads
 
-__all__ = ["attention", "causal_mask", "causal_attention", "einsum_f32", "tiled_dense_attention"]
+__all__ = ["attention", "causal_mask", "causal_attention", "einsum_f32", "new_token_attention", "tiled_dense_attention"]
 
 
 def causal_mask(q_positions: jax.Array, kv_lengths: jax.Array, num_keys: int) -> jax.Array:
@@ -97,19 +98,22 @@ def causal_attention(
 
 def tiled_dense_attention(
     q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
+    k: ArrayOrSlice,
+    v: ArrayOrSlice,
     lo: jax.Array,
     hi: jax.Array,
     *,
     tile: int = 512,
     scale: float | None = None,
-) -> jax.Array:
-    """Attention of q float[B, T, H, d] over stored keys k, v float[B, Hkv, N, d], tokens
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attention of q float[B, T, H, d] over stored keys k, v float[B, Hkv, N, d] (arrays or
+    :class:`~million_jax.layer_slice.LayerSlice` views of a stacked cache), tokens
     lo <= s < hi (int32[B, T]) visible, walked in tiles up to the longest ``hi`` only
     (:mod:`million_jax.tiling`): a decode step costs O(longest sequence), not O(N).
 
-    Returns out float[B, T, H, d] in q.dtype; 0 for a query that sees nothing.
+    Returns out float[B, T, H, d] in q.dtype (0 for a query that sees nothing), or with
+    ``return_lse`` (out float32[B, T, H, d], lse float32[B, T, H]) for a merge.
     """
     b, t, h, d = q.shape
     hkv = k.shape[1]
@@ -120,5 +124,26 @@ def tiled_dense_attention(
         kt, vt = parts
         return einsum_f32("bkgtd,bksd->bkgts", qg, kt) * scale, vt
 
-    out, _ = tiled_attention((b, hkv, h // hkv, t), v.shape[-1], tile, lo, hi, [(k, 1), (v, 1)], tile_fn)
-    return out.astype(q.dtype)
+    out, lse = tiled_attention((b, hkv, h // hkv, t), v.shape[-1], tile, lo, hi, [(k, 1), (v, 1)], tile_fn)
+    return (out, lse) if return_lse else out.astype(q.dtype)
+
+
+def new_token_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lo: jax.Array,
+    hi: jax.Array,
+    *,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of q float[B, T, H, d] over the T keys / values of this call itself,
+    k, v float[B, T, Hkv, d] (new token j visible to query t iff lo[b, t] <= j < hi[b, t]).
+
+    k, v come in the dtype the cache would store them in. A cache attends to what it stored
+    before the call and to the call's own tokens as two parts merged by log-sum-exp, and writes the new tokens only afterwards: reading a cache
+    buffer after writing it in the same layer-loop iteration makes XLA copy it.
+    Returns (out float32[B, T, H, d], lse float32[B, T, H]).
+    """
+    kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    return tiled_dense_attention(q, kt, vt, lo, hi, scale=scale, return_lse=True)

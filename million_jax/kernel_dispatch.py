@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from million_jax.code_packing import is_packed
+from million_jax.layer_slice import ArrayOrSlice, as_array
 from million_jax.pq_attention import pq_attention
 from pallas_kernels import pq_decode_attention, pq_kernel_unsupported_reason
 
@@ -109,8 +110,8 @@ def _kernel(q, k_codes, v_codes, k_books, v_books, lo, hi, mesh: KernelMesh | No
 
 def pq_code_attention(
     q: jax.Array,
-    k_codes: jax.Array,
-    v_codes: jax.Array,
+    k_codes: ArrayOrSlice,
+    v_codes: ArrayOrSlice,
     k_books: jax.Array,
     v_books: jax.Array,
     lo: jax.Array,
@@ -121,10 +122,13 @@ def pq_code_attention(
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of q float[B, T, H, d] over codes uint[B, Hkv, N, M] for lo <= s < hi.
 
+    k_codes / v_codes: arrays or :class:`~million_jax.layer_slice.LayerSlice` views of a
+    stacked cache (the xla path reads its tiles in place; the kernel gets the layer as an array).
     k_books / v_books: float[G, M, K, dsub], G in {1, Hkv}; lo, hi: int32[B, T].
     Returns (out f32[B, T, H, d], lse f32[B, T, H]), 0 / -inf for a query that sees nothing.
     """
     if use_kernel(impl, q, k_codes, v_codes, k_books, v_books, lo, hi):
+        k_codes, v_codes = as_array(k_codes), as_array(v_codes)
         out, lse = _kernel(q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0],
                            jnp.maximum(hi[:, 0], lo[:, 0]), mesh)
         return out[:, None], lse[:, None]

@@ -5,8 +5,10 @@ Stored tokens are walked in tiles of ``tile`` tokens with the online softmax of
 O(B * H * T * tile) whatever the context length. The loop runs only over the tiles that
 hold visible tokens (up to the longest ``hi`` in the batch), so a step costs in proportion
 to the longest sequence, not to the cache's capacity ``T_max``; tiles are cut with dynamic
-slices of the stored arrays (no padded or transposed copy of the cache). Each caller supplies
-only how a tile's scores and values are computed from its slices of the stored arrays.
+slices of the stored arrays (no padded or transposed copy of the cache); an array may be a
+:class:`~million_jax.layer_slice.LayerSlice` (one layer of a stacked cache), whose tiles are
+cut straight from the stacked buffer. Each caller supplies only how a tile's scores and
+values are computed from its slices of the stored arrays.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from million_jax.layer_slice import ArrayOrSlice, rows as row_slice
 from pallas_kernels.softmax import OnlineSoftmax, ungroup_heads
 
 __all__ = ["tiled_attention"]
@@ -30,7 +33,7 @@ def tiled_attention(
     tile: int,
     lo: jax.Array,
     hi: jax.Array,
-    arrays: Sequence[tuple[jax.Array, int]],
+    arrays: Sequence[tuple[ArrayOrSlice, int]],
     tile_fn: TileFn,
 ) -> tuple[jax.Array, jax.Array]:
     """Softmax attention over N stored tokens, one tile at a time.
@@ -38,8 +41,9 @@ def tiled_attention(
     group_shape: (B, Hkv, G, T) of the grouped queries; d: value width.
     tile: tokens per tile (a multiple of every array's ``rows_per_entry``).
     lo, hi: int32[B, T]: query t of sequence b sees tokens lo <= s < hi.
-    arrays: (x [B, Hkv, ceil(N / rows_per_entry), ...], rows_per_entry) pairs; N is taken
-      from the first (rows_per_entry 1). Each is sliced per tile and handed to ``tile_fn``.
+    arrays: (x [B, Hkv, ceil(N / rows_per_entry), ...], rows_per_entry) pairs, x an array or a
+      LayerSlice; N is taken from the first (rows_per_entry 1). Each is sliced per tile and
+      handed to ``tile_fn``.
     Returns (out f32[B, T, H, d], lse f32[B, T, H]); 0 / -inf for a query that sees nothing.
     """
     n = arrays[0][0].shape[2]
@@ -52,7 +56,7 @@ def tiled_attention(
     need = jnp.clip(jnp.max(hi, initial=0), 0, n)
 
     def step(state: OnlineSoftmax, start: jax.Array, rows: int) -> OnlineSoftmax:
-        parts = tuple(jax.lax.dynamic_slice_in_dim(x, start // per, -(-rows // per), axis=2) for x, per in arrays)
+        parts = tuple(row_slice(x, start // per, -(-rows // per), axis=2) for x, per in arrays)
         scores, values = tile_fn(parts, rows)
         s_pos = start + jnp.arange(rows, dtype=jnp.int32)
         vis = (s_pos[None, None, :] >= lo[:, :, None]) & (s_pos[None, None, :] < hi[:, :, None])

@@ -4,8 +4,8 @@ Why plain functions over a parameter pytree, with Flax only for initialisers
 (rather than ``linen.Module`` or ``nnx.Module``):
 
 * the cache protocol (``million_jax/cache/base.py``) scans the layers with
-  ``lax.scan`` over params stacked on a leading ``L`` axis *and* the cache's
-  per-layer state (``cache.layers``) at the same time. A 20-line ``scan`` over dicts says that
+  ``lax.scan`` over params stacked on a leading ``L`` axis, each layer reading the
+  stacked cache in place and returning its writes, applied once after the scan. A 20-line ``scan`` over dicts says that
   directly; Linen needs ``nn.scan`` with ``variable_axes``/``split_rngs``
   plumbing and NNX needs ``nnx.split``/``merge`` around ``nnx.scan``.
 * ``generate`` threads params and a donated cache through ``jax.jit`` and a
@@ -177,29 +177,20 @@ def _block(config: LlamaConfig, lp: Params, h: jax.Array, cos: jax.Array, sin: j
 
 
 def _run_layers(config: LlamaConfig, params: Params, h: jax.Array, positions: jax.Array,
-                attend, states: Any, consts: Any) -> tuple[jax.Array, Any]:
-    """lax.scan over the stacked layers; attend(layer, const, q, k, v) -> (out, layer).
+                attend, consts: Any) -> tuple[jax.Array, Any]:
+    """lax.scan over the stacked layers; attend(i, const, q, k, v) -> (out, writes).
 
-    The stacked cache layers ride in the scan carry: layer i is sliced out, handed
-    its new tokens and written back with a dynamic update. XLA updates a loop carry
-    in place, so a donated cache is never rebuilt as a second stacked copy (which
-    is what returning the layers as scan outputs would do).
+    Returns (h, the writes of every layer stacked on a leading L axis). The cache is only
+    read inside the loop (in place, see million_jax/cache/base.py); the caller writes all
+    layers once afterwards, so a donated cache is updated in place and never copied.
     """
     cos, sin = _rope_tables(config, positions)
 
-    def body(carry, xs):
-        h, states = carry
+    def body(h, xs):
         i, lp, const = xs
-        state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), states)
-        h, state = _block(config, lp, h, cos, sin, lambda q, k, v: attend(state, const, q, k, v))
-        if states is not None:
-            states = jax.tree.map(lambda a, s: jax.lax.dynamic_update_index_in_dim(a, s, i, 0),
-                                  states, state)
-        return (h, states), None
+        return _block(config, lp, h, cos, sin, lambda q, k, v: attend(i, const, q, k, v))
 
-    n = config.n_layers
-    (h, states), _ = jax.lax.scan(body, (h, states), (jnp.arange(n), params["layers"], consts))
-    return h, states
+    return jax.lax.scan(body, h, (jnp.arange(config.n_layers), params["layers"], consts))
 
 
 def _logits(config: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
@@ -225,10 +216,10 @@ def forward(config: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     h = params["embed"][tokens]
 
-    def attend(layer, const, q, k, v):
+    def attend(i, const, q, k, v):
         return causal_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)), None
 
-    h, _ = _run_layers(config, params, h, positions, attend, None, None)
+    h, _ = _run_layers(config, params, h, positions, attend, None)
     return _logits(config, params, h)
 
 
@@ -247,11 +238,11 @@ def _with_cache(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax
         raise ValueError(f"cache has {cache.num_layers} layers, model has {config.n_layers}")
     h = params["embed"][tokens]
 
-    def attend(layer, const, q, k, v):
-        return layer.attend(const, q, k, v, cache.lengths, n_new)
+    def attend(i, const, q, k, v):
+        return cache.attend(i, const, q, k, v, n_new)
 
-    h, layers = _run_layers(config, params, h, positions, attend, cache.layers, consts)
-    return h, cache.advance(layers, n_new)
+    h, writes = _run_layers(config, params, h, positions, attend, consts)
+    return h, cache.write(writes, n_new)
 
 
 def _check_room(cache: KVCache, n_new: Any, what: str) -> None:

@@ -2,22 +2,36 @@
 
 A cache is two things: the per-layer state ``layers`` (a registered dataclass whose array
 leaves carry a leading layer axis ``L``) and ``lengths`` (int32[B], tokens stored per
-sequence, shared by every layer). The model scans over ``cache.layers`` together with its
-stacked params, hands each layer's state the new tokens, and advances the cache once::
+sequence, shared by every layer). The model loops over its stacked params; each layer reads
+the cache in place and returns what it would write, and all layers are written at once after
+the loop::
 
     consts = cache.layer_consts(cache_consts)        # None, or e.g. PQCodebooks [L, ...]
     def body(h, xs):
-        layer_params, layer, const = xs
-        ...                                          # q, k, v of this layer
-        out, layer = layer.attend(const, q, k, v, cache.lengths, n_new)
+        i, layer_params, const = xs
+        ...                                          # q, k, v of layer i
+        out, writes = cache.attend(i, const, q, k, v, n_new)
         ...
-        return h, layer
-    h, layers = lax.scan(body, h, (params["layers"], cache.layers, consts))
-    cache = cache.advance(layers, n_new)
+        return h, writes
+    h, writes = lax.scan(body, h, (jnp.arange(L), params["layers"], consts))
+    cache = cache.write(writes, n_new)               # every layer's new rows; lengths += n_new
 
-``LayerState.attend(consts, q, k, v, lengths, n_new) -> (out, new_layer_state)`` is pure;
-static settings (window, protocol, implementation) are meta fields of the layer state, so
-they survive slicing, scanning and jit.
+Why read first and write after the loop: a cache buffer written and then read in the same
+loop iteration (or a layer sliced out and written back) makes XLA copy it, an O(T_max) cost
+per layer and step (``benchmarks/carry_copy_cpu.py``). So attention reads only what was
+stored before the call, through a :class:`~million_jax.layer_slice.LayerSlice` view of the
+stacked arrays (``layers.view(i)``), plus the call's own new tokens as a separate part merged
+by log-sum-exp; the new rows ride out of the loop as small scan outputs.
+
+``LayerState.attend(consts, q, k, v, lengths, n_new) -> (out, writes)`` is pure and never
+writes; ``LayerState.write(writes)`` applies the writes to one layer's state (vmapped over
+layers by ``KVCache.write``); ``LayerState.append`` does both for a single layer (e.g. one
+Flax module's cache). Static settings (window, protocol, implementation) are meta fields of
+the layer state, so they survive slicing, scanning and jit.
+
+``writes``: ``{field: (rows int32[B, R], vals [B, R, Hkv, ...])}`` scatters rows into a
+field ``[B, Hkv, N, ...]`` (rows outside [0, N) are dropped), ``{field: array}`` replaces a
+small field whole (e.g. running statistics).
 
 Conventions (all caches):
     q:        float[B, T, H, d]    queries of the T new tokens, RoPE applied
@@ -38,24 +52,33 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-PyTree = Any
+from million_jax.layer_slice import LayerSlice
 
-__all__ = ["CACHE_DIMS", "CacheOverflowError", "LayerState", "KVCache", "check_cache_args", "register_cache", "token_rows", "write_rows"]
+PyTree = Any
+# field name -> (rows int32[B, R], vals [B, R, Hkv, ...]) scattered, or a whole new value
+Writes = dict[str, Union[tuple[jax.Array, jax.Array], jax.Array]]
+
+__all__ = ["CACHE_DIMS", "CacheOverflowError", "LayerState", "KVCache", "Writes", "check_cache_args",
+           "kept_tokens", "register_cache", "token_rows", "write_rows"]
 
 
 class LayerState(abc.ABC):
     """One layer's cache state (arrays [B, Hkv, ...]; [L, B, Hkv, ...] inside a KVCache)."""
 
+    # Fields with a token axis of T_max rows: a view reads them in place (LayerSlice); the
+    # other array fields (exact sinks / window, statistics) are small and sliced out.
+    TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ()
+
     @property
     @abc.abstractmethod
     def max_len(self) -> int:
-        """T_max: positions the cache holds per sequence (valid stacked or per layer)."""
+        """T_max: positions the cache holds per sequence (valid stacked, per layer or viewed)."""
 
     @abc.abstractmethod
     def attend(
@@ -66,11 +89,36 @@ class LayerState(abc.ABC):
         v: jax.Array,
         lengths: jax.Array,
         n_new: jax.Array,
-    ) -> tuple[jax.Array, "LayerState"]:
-        """Append the new tokens to this layer and attend.
+    ) -> tuple[jax.Array, Writes]:
+        """Attend q to the tokens stored before this call and to the new k, v; write nothing.
 
-        Returns (out float[B, T, H, d] in q.dtype, the new state of this layer).
+        Returns (out float[B, T, H, d] in q.dtype, the writes that append k, v).
         """
+
+    def view(self, index: jax.Array) -> "LayerState":
+        """Layer ``index`` of this stacked state, for :meth:`attend` (token fields are read in
+        place through :class:`LayerSlice`; never returned or written)."""
+        fields = {}
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            if f.name in self.TOKEN_FIELDS:
+                fields[f.name] = LayerSlice(val, index)
+            elif isinstance(val, jax.Array):
+                fields[f.name] = jax.lax.dynamic_index_in_dim(val, index, axis=0, keepdims=False)
+        return dataclasses.replace(self, **fields)
+
+    def write(self, writes: Writes) -> "LayerState":
+        """This (unstacked) layer's state with ``writes`` applied (module docstring)."""
+        new = {}
+        for name, w in writes.items():
+            new[name] = write_rows(getattr(self, name), *w) if isinstance(w, tuple) else w
+        return dataclasses.replace(self, **new)
+
+    def append(self, consts: PyTree, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+               n_new: jax.Array) -> tuple[jax.Array, "LayerState"]:
+        """:meth:`attend`, then :meth:`write`: (out, this layer's new state), for a single layer."""
+        out, writes = self.attend(consts, q, k, v, lengths, n_new)
+        return out, self.write(writes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +150,30 @@ class KVCache:
             raise ValueError(f"{type(self).__name__} takes no cache_consts (pass None)")
         return None
 
+    def attend(self, layer: jax.Array, consts: PyTree, q: jax.Array, k: jax.Array, v: jax.Array,
+               n_new: jax.Array) -> tuple[jax.Array, Writes]:
+        """Layer ``layer`` (int32 scalar) attends to what this cache holds plus the new k, v.
+
+        consts: that layer's constants (a slice of :meth:`layer_consts`). Returns (out, writes);
+        stack the writes of all layers (a scan output) and pass them to :meth:`write`.
+        """
+        return self.layers.view(layer).attend(consts, q, k, v, self.lengths, n_new)
+
+    def write(self, writes: Writes, n_new: jax.Array) -> "KVCache":
+        """The cache with every layer's writes (leaves [L, ...]) applied and ``lengths + n_new``.
+
+        Rows are the same for every layer (they follow the shared lengths), so row writes
+        use layer 0's rows for all layers at once.
+        """
+        new = {}
+        for name, w in writes.items():
+            if isinstance(w, tuple):
+                rows, vals = w
+                new[name] = write_rows(getattr(self.layers, name), rows[0], vals, lead=1)
+            else:
+                new[name] = w
+        return self.advance(dataclasses.replace(self.layers, **new), n_new)
+
     def advance(self, layers: Any, n_new: jax.Array) -> "KVCache":
         """The cache holding ``layers`` with ``lengths + n_new`` (clipped to max_len)."""
         lengths = jnp.minimum(self.lengths + n_new.astype(jnp.int32), self.max_len)
@@ -117,7 +189,7 @@ class KVCache:
         return self.lengths + jnp.asarray(n_new, jnp.int32) > self.max_len
 
     def nbytes(self) -> int:
-        """Bytes of the per-step cache state (every array leaf; cache_consts excluded)."""
+        """Bytes of the per-step state (every array leaf; cache_consts excluded)."""
         return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(self))
 
 
@@ -149,6 +221,11 @@ def register_cache(cls: type) -> type:
     return jax.tree_util.register_dataclass(cls, data_fields=["layers", "lengths"], meta_fields=[])
 
 
+def kept_tokens(lengths: jax.Array, n_new: jax.Array, t_max: int) -> jax.Array:
+    """int32[B]: how many of the n_new new tokens fit (the rest are dropped everywhere)."""
+    return jnp.clip(jnp.minimum(n_new.astype(jnp.int32), t_max - lengths), 0)
+
+
 def token_rows(lengths: jax.Array, n_new: jax.Array, t: int, t_max: int) -> tuple[jax.Array, jax.Array]:
     """Positions and write rows of T new tokens.
 
@@ -161,11 +238,45 @@ def token_rows(lengths: jax.Array, n_new: jax.Array, t: int, t_max: int) -> tupl
     return pos, rows
 
 
-def write_rows(buf: jax.Array, rows: jax.Array, vals: jax.Array) -> jax.Array:
-    """Scatter vals float[B, T, Hkv, ...] into buf [B, Hkv, N, ...] at rows int[B, T].
+# At most this many (sequence, row) writes per call go in as one dynamic_update_slice each
+# (decode steps); more (prefill) as one scatter.
+MAX_ROW_UPDATES = 32
 
-    Rows outside [0, N) are dropped (use N as the "don't write" index).
+
+def write_rows(buf: jax.Array, rows: jax.Array, vals: jax.Array, lead: int = 0) -> jax.Array:
+    """Write vals [*L, B, R, Hkv, ...] into buf [*L, B, Hkv, N, ...] at rows int[B, R].
+
+    ``lead``: number of leading (layer) axes ``*L`` of buf and vals, written alike at the same
+    rows. Rows outside [0, N) are dropped (use N as the "don't write" index).
+
+    In place on a donated buffer. 16-bit floats are written as their uint16 bits: XLA's CPU
+    backend runs a bf16 / fp16 update (scatter or dynamic_update_slice) in float32 over the
+    whole buffer, a pass over the full cache every step (67 ms vs 1.9 ms for one row of a
+    720 MB cache).
     """
-    b, t = rows.shape
-    bidx = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-    return buf.at[bidx, :, rows].set(vals.astype(buf.dtype), mode="drop")
+    vals = vals.astype(buf.dtype)
+    if jnp.issubdtype(buf.dtype, jnp.floating) and buf.dtype.itemsize == 2:
+        bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)  # noqa: E731
+        return jax.lax.bitcast_convert_type(write_rows(bits(buf), rows, bits(vals), lead), buf.dtype)
+    b, r = rows.shape
+    n = buf.shape[lead + 2]
+    if n == 0 or buf.size == 0:
+        return buf
+    if b * r > MAX_ROW_UPDATES:
+        # every leading / batch axis indexed explicitly, so the indexed dims are [*L, B, R]
+        grid = jnp.meshgrid(*(jnp.arange(k, dtype=jnp.int32) for k in buf.shape[:lead] + (b,)), indexing="ij")
+        grid = [jnp.broadcast_to(g[..., None], buf.shape[:lead] + (b, r)) for g in grid]
+        index = (*grid[:lead], grid[lead], slice(None), jnp.broadcast_to(rows, buf.shape[:lead] + (b, r)))
+        return buf.at[index].set(vals, mode="drop")
+    zero = jnp.zeros((), jnp.int32)
+    sizes = list(buf.shape)
+    sizes[lead], sizes[lead + 2] = 1, 1
+    for i in range(b):
+        for j in range(r):
+            row = rows[i, j]
+            start = [zero] * buf.ndim
+            start[lead], start[lead + 2] = jnp.int32(i), jnp.clip(row, 0, n - 1)
+            new = jnp.expand_dims(vals[(slice(None),) * lead + (i, j)], (lead, lead + 2))
+            keep = jax.lax.dynamic_slice(buf, start, sizes)  # a dropped row rewrites what is there
+            buf = jax.lax.dynamic_update_slice(buf, jnp.where((row >= 0) & (row < n), new, keep), start)
+    return buf

@@ -7,9 +7,9 @@ State (``DenseLayer``, stacked over layers so the model can scan):
 
 New tokens are written with a scatter in ``mode="drop"``: padding rows of a ragged prefill
 and anything at a position ``>= T_max`` are discarded, never written out of bounds.
-Attention is exact (``million_jax.attention.tiled_dense_attention``), walked in tiles up to
-the longest sequence of the batch, so a step costs in proportion to the tokens stored, not to
-T_max.
+Attention is exact: the stored tokens (``million_jax.attention.tiled_dense_attention``,
+walked in tiles up to the longest sequence of the batch, so a step costs in proportion to
+the tokens stored, not to T_max) and the call's new tokens, merged by log-sum-exp.
 """
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from million_jax.attention import tiled_dense_attention
-from million_jax.cache.base import (CACHE_DIMS, KVCache, LayerState, check_cache_args, register_cache, token_rows,
-                                    write_rows)
+from million_jax.attention import new_token_attention, tiled_dense_attention
+from million_jax.cache.base import (CACHE_DIMS, KVCache, LayerState, Writes, check_cache_args, kept_tokens,
+                                    register_cache, token_rows)
+from pallas_kernels.softmax import merge_partials
 
 __all__ = ["DenseCache", "DenseLayer"]
 
@@ -32,6 +33,8 @@ __all__ = ["DenseCache", "DenseLayer"]
 class DenseLayer(LayerState):
     """k, v: float[B, Hkv, T_max, d] (one layer; [L, ...] when stacked)."""
 
+    TOKEN_FIELDS = ("k", "v")
+
     k: jax.Array
     v: jax.Array
 
@@ -40,20 +43,25 @@ class DenseLayer(LayerState):
         return self.k.shape[-2]
 
     def attend(self, consts: Any, q: jax.Array, k: jax.Array, v: jax.Array,
-               lengths: jax.Array, n_new: jax.Array) -> tuple[jax.Array, "DenseLayer"]:
-        """Write k, v (float[B, T, Hkv, d]) at ``lengths + t`` for t < n_new, then attend.
+               lengths: jax.Array, n_new: jax.Array) -> tuple[jax.Array, Writes]:
+        """q float[B, T, H, d] over the stored tokens and the new k, v (float[B, T, Hkv, d]).
 
-        q: float[B, T, H, d]. Returns (out float[B, T, H, d], new layer state).
+        Returns (out float[B, T, H, d], writes of k, v at ``lengths + t`` for t < n_new).
         """
         b, t = q.shape[:2]
         hkv, t_max, d = self.k.shape[1:]
         chex.assert_shape([k, v], (b, t, hkv, d))
         chex.assert_shape(n_new, (b,))
-        pos, rows = token_rows(lengths, n_new, t, t_max)
-        kc, vc = write_rows(self.k, rows, k), write_rows(self.v, rows, v)
-        kv_len = jnp.minimum(lengths + n_new, t_max)
-        out = tiled_dense_attention(q, kc, vc, jnp.zeros_like(pos), jnp.minimum(pos + 1, kv_len[:, None]))
-        return out, DenseLayer(k=kc, v=vc)
+        kept = kept_tokens(lengths, n_new, t_max)
+        _, rows = token_rows(lengths, kept, t, t_max)
+        k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
+        zeros = jnp.zeros((b, t), jnp.int32)
+        stored = tiled_dense_attention(q, self.k, self.v, zeros, jnp.broadcast_to(lengths[:, None], (b, t)),
+                                       return_lse=True)
+        steps = jnp.arange(t, dtype=jnp.int32)[None, :]
+        fresh = new_token_attention(q, k, v, zeros, jnp.minimum(steps + 1, kept[:, None]))
+        out, _ = merge_partials(*zip(stored, fresh))
+        return out.astype(q.dtype), {"k": (rows, k), "v": (rows, v)}
 
 
 @register_cache

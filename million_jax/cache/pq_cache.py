@@ -23,7 +23,10 @@ after it, so the attention paths and the kernel see plain PQ.
 Each appended token is encoded once (constant cost per step, no flush spikes). Attention
 (see :mod:`million_jax.cache.window`) reads sinks and the sliding window of the last W
 positions exactly and everything else from codes (:mod:`million_jax.kernel_dispatch`
-decides between the Pallas kernel and the xla path), merged by log-sum-exp.
+decides between the Pallas kernel and the xla path for the stored codes; the call's own
+tokens are read from their decoded codes), merged by log-sum-exp. Attention reads the
+cache as it was before the call; the new codes are written afterwards
+(:mod:`million_jax.cache.base`).
 ``quantize_all=True`` is MILLION's evaluation protocol: every key/value, the current
 token's included, is read from codes.
 
@@ -40,13 +43,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from million_jax.cache.base import CACHE_DIMS, check_cache_args, register_cache, token_rows, write_rows
+from million_jax.attention import tiled_dense_attention
+from million_jax.cache.base import CACHE_DIMS, Writes, check_cache_args, kept_tokens, register_cache, token_rows
 from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
 from million_jax.code_packing import is_packed, pack_codes, stored_width
 from million_jax.kernel_dispatch import KernelMesh, check_impl, pq_code_attention
 from million_jax.kv_transforms import apply_head_transform
 from million_jax.pq import Codebooks, code_dtype, encode
 from million_jax.pq_codebooks import PQCodebooks
+from pallas_kernels.pq_math import gather_centroids
 from pallas_kernels.softmax import merge_partials
 
 __all__ = ["PQCache", "PQLayer"]
@@ -61,6 +66,8 @@ __all__ = ["PQCache", "PQLayer"]
 class PQLayer(ExactWindowLayer):
     """One layer of a PQCache (module docstring; per layer the leading L axis is absent)."""
 
+    TOKEN_FIELDS = ("k_codes", "v_codes")
+
     k_codes: jax.Array
     v_codes: jax.Array
     sink_k: jax.Array
@@ -74,40 +81,51 @@ class PQLayer(ExactWindowLayer):
     # a packed width alone cannot tell 4 x 3-bit codes from 2 x 5-bit ones
     budgets: tuple[int, int, int, int] | None = None
 
-    def attend(self, consts: PQCodebooks, q, k, v, lengths, n_new) -> tuple[jax.Array, "PQLayer"]:
-        """Append k, v (float[B, T, Hkv, d]) and attend q float[B, T, H, d].
+    def attend(self, consts: PQCodebooks, q, k, v, lengths, n_new) -> tuple[jax.Array, Writes]:
+        """q float[B, T, H, d] over the stored tokens and the new k, v (float[B, T, Hkv, d]).
 
-        consts: this layer's codebooks (centroids float32[G, M, K, dsub]).
+        consts: this layer's codebooks (centroids float32[G, M, K, dsub]). Stored codes are read
+        by :func:`~million_jax.kernel_dispatch.pq_code_attention`; the call's own tokens are
+        encoded, and where they fall in the code region read from their decoded codes.
+        Returns (out float[B, T, H, d] in q.dtype, the writes of their codes and exact rows).
         """
         kcb, vcb = consts.key.centroids, consts.value.centroids
-        t = q.shape[1]
+        b, t = q.shape[:2]
         t_max = self.max_len
         # Tokens that would land past T_max are dropped everywhere (codes, ring, sinks).
-        n_new = jnp.clip(jnp.minimum(n_new, t_max - lengths), 0)
+        n_new = kept_tokens(lengths, n_new, t_max)
         pos, rows = token_rows(lengths, n_new, t, t_max)
-        new_kc = _encode(consts.key, k, consts.key_transform, self.k_codes.shape[-1])
-        new_vc = _encode(consts.value, v, consts.value_transform, self.v_codes.shape[-1])
-        written = self.write_exact(k, v, lengths, n_new)
-        new = dataclasses.replace(
-            self, k_codes=write_rows(self.k_codes, rows, new_kc), v_codes=write_rows(self.v_codes, rows, new_vc),
-            **written,
-        )
+        new_kc = _encode(consts.key, k, consts.key_transform)  # [B, Hkv, T, Mk]
+        new_vc = _encode(consts.value, v, consts.value_transform)
         lo, hi = self.code_region(pos, lengths + n_new)
         qc = q if consts.query_transform is None else apply_head_transform(q, consts.query_transform)
-        out, lse = pq_code_attention(qc, new.k_codes, new.v_codes, kcb, vcb, lo, hi, impl=self.impl, mesh=self.mesh)
+        stored = pq_code_attention(qc, self.k_codes, self.v_codes, kcb, vcb, lo, jnp.minimum(hi, lengths[:, None]),
+                                   impl=self.impl, mesh=self.mesh)
+        fresh = tiled_dense_attention(qc, gather_centroids(kcb, new_kc), gather_centroids(vcb, new_vc),
+                                      jnp.maximum(lo - lengths[:, None], 0), jnp.clip(hi - lengths[:, None], 0, t),
+                                      return_lse=True)
+        out, lse = merge_partials(*zip(stored, fresh))
         if consts.output_transform is not None:
             out = apply_head_transform(out, consts.output_transform)
         if self.has_exact:
-            out_e, lse_e = self.exact_attention(q, written, k, v, lengths, n_new)
+            out_e, lse_e = self.exact_attention(q, k, v, lengths, n_new)
             out, _ = merge_partials([out, out_e], [lse, lse_e])
-        return out.astype(q.dtype), new
+        writes = {"k_codes": (rows, _stored_codes(new_kc, consts.key, self.k_codes.shape[-1])),
+                  "v_codes": (rows, _stored_codes(new_vc, consts.value, self.v_codes.shape[-1])),
+                  **self.write_exact(k, v, lengths, n_new)}
+        return out.astype(q.dtype), writes
 
 
-def _encode(books: Codebooks, x: jax.Array, transform: jax.Array | None, width: int) -> jax.Array:
-    """x float[B, T, Hkv, d] -> codes [B, T, Hkv, width] (transformed first, packed if width says so)."""
+def _encode(books: Codebooks, x: jax.Array, transform: jax.Array | None) -> jax.Array:
+    """x float[B, T, Hkv, d] -> codes [B, Hkv, T, M] (transformed first)."""
     if transform is not None:
         x = apply_head_transform(x, transform)
-    codes = jnp.swapaxes(encode(Codebooks(books.centroids), jnp.swapaxes(x, 1, 2)), 1, 2)
+    return encode(Codebooks(books.centroids), jnp.swapaxes(x, 1, 2))
+
+
+def _stored_codes(codes: jax.Array, books: Codebooks, width: int) -> jax.Array:
+    """codes [B, Hkv, T, M] -> [B, T, Hkv, width] as the cache stores them (packed if width says so)."""
+    codes = jnp.swapaxes(codes, 1, 2)
     return pack_codes(codes, books.nbits) if is_packed(width, books.num_subspaces, books.nbits) else codes
 
 

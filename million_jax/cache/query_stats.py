@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from million_jax.cache.base import KVCache, register_cache
+from million_jax.cache.base import KVCache, Writes, register_cache
 from million_jax.cache.dense import DenseCache, DenseLayer
 
 __all__ = ["QueryStatsCache", "QueryStatsLayer"]
@@ -36,16 +36,17 @@ class QueryStatsLayer(DenseLayer):
     q_count: jax.Array = None  # type: ignore[assignment]
 
     def attend(self, consts: Any, q: jax.Array, k: jax.Array, v: jax.Array,
-               lengths: jax.Array, n_new: jax.Array) -> tuple[jax.Array, "QueryStatsLayer"]:
-        """Exact attention as DenseLayer; rows t < n_new[b] of q float[B, T, H, d] are summed."""
-        out, dense = DenseLayer(self.k, self.v).attend(consts, q, k, v, lengths, n_new)
+               lengths: jax.Array, n_new: jax.Array) -> tuple[jax.Array, Writes]:
+        """Exact attention as DenseLayer; rows t < n_new[b] of q float[B, T, H, d] are summed
+        into the new q_gram / q_count (written whole)."""
+        out, writes = DenseLayer(self.k, self.v).attend(consts, q, k, v, lengths, n_new)
         b, t, h, d = q.shape
         hkv = self.k.shape[1]
         real = (jnp.arange(t)[None, :] < n_new[:, None]).astype(jnp.float32)  # [B, T]
         qg = q.astype(jnp.float32).reshape(b, t, hkv, h // hkv, d) * real[:, :, None, None, None]
         gram = jnp.einsum("btkgi,btkgj->kij", qg, qg, precision=lax.Precision.HIGHEST)
         count = jnp.full((hkv,), jnp.sum(real) * (h // hkv), jnp.float32)
-        return out, QueryStatsLayer(dense.k, dense.v, self.q_gram + gram, self.q_count + count)
+        return out, {**writes, "q_gram": self.q_gram + gram, "q_count": self.q_count + count}
 
 
 @register_cache

@@ -61,14 +61,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from million_jax.cache.base import CACHE_DIMS, check_cache_args, register_cache, token_rows, write_rows
+from million_jax.attention import tiled_dense_attention
+from million_jax.cache.base import (CACHE_DIMS, Writes, check_cache_args, kept_tokens, register_cache, token_rows,
+                                    write_rows)
 from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
-from million_jax.uniform_attention import current_group_attention, take_rows, uniform_attention
+from million_jax.layer_slice import take_rows
+from million_jax.uniform_attention import current_group_attention, uniform_attention
 from million_jax.uniform_quant import (
     KVBits,
     bits_per_element,
     check_settings,
     decode,
+    dequantize_token_groups,
     encode,
     expand_stats,
     pack,
@@ -83,17 +87,20 @@ __all__ = ["UniformCache", "UniformLayer"]
 
 
 # ------------------------------------------------------------------ appending keys (kivi)
-def _append_kivi_keys(layer, k, lengths, end, *, bits, group, dtype):
-    """Re-quantize the key groups touched by this append from staged + new exact keys.
+def _kivi_key_writes(layer, k, lengths, end, *, bits, group, dtype):
+    """The writes that re-quantize the key groups touched by this append from staged + new
+    exact keys, and the window of those groups for attention.
 
-    layer: the UniformLayer (k_codes, k_scale, k_zero, k_stage read); k: float[B, T, Hkv, d];
+    layer: the UniformLayer as stored before this call (k_stage read); k: float[B, T, Hkv, d];
     lengths: int32[B] before the append; end: int32[B] = min(lengths + n_new, T_max).
-    Returns (updated entries, window) where window = (xw, ps, pz, base) feeds
-    :func:`~million_jax.uniform_attention.current_group_attention`.
+    Returns (writes, window): window = (xw, ps, pz, kw, base) with xw float32[B, Hkv, NW, d] the
+    exact keys of the touched groups (row r is position base + r), ps / pz their prefix
+    stats (feeds :func:`~million_jax.uniform_attention.current_group_attention`) and kw
+    float32[B, Hkv, NW, d] the keys as their codes will read back (final stats of each group).
     """
-    k_codes, k_stage = layer.k_codes, layer.k_stage
+    k_stage = layer.k_stage
     b, t = k.shape[:2]
-    hkv, t_max = k_codes.shape[1:3]
+    hkv, t_max = layer.k_codes.shape[1:3]
     g = group
     n_blocks = (t + g - 2) // g + 1  # groups one call can touch
     nw = n_blocks * g
@@ -122,19 +129,17 @@ def _append_kivi_keys(layer, k, lengths, end, *, bits, group, dtype):
     block_ok = wrote[:, None] & (j[None, :] * g < nvalid[:, None])
     n_groups = layer.k_scale.shape[2]
     grow = jnp.where(block_ok, base[:, None] // g + j[None, :], n_groups)
-    k_scale = write_rows(layer.k_scale, grow, jnp.swapaxes(bs, 1, 2))
-    k_zero = write_rows(layer.k_zero, grow, jnp.swapaxes(bz, 1, 2))
-
-    codes = encode(xf, jnp.repeat(bs, g, axis=2), jnp.repeat(bz, g, axis=2), bits)
+    rs, rz = jnp.repeat(bs, g, axis=2), jnp.repeat(bz, g, axis=2)
+    codes = encode(xf, rs, rz, bits)
     crow = jnp.where(wrote[:, None] & (r[None, :] < nvalid[:, None]), base[:, None] + r[None, :], t_max)
-    k_codes = write_rows(k_codes, crow, jnp.swapaxes(pack(codes, bits), 1, 2))
 
     jl = jnp.maximum(nvalid - 1, 0) // g
     sidx = jl[:, None] * g + jnp.arange(g, dtype=jnp.int32)[None, :]
     new_stage = jnp.where((sidx < nvalid[:, None])[:, None, :, None], take_rows(xw, sidx), jnp.zeros((), dtype))
-    k_stage = jnp.where(wrote[:, None, None, None], new_stage, k_stage)
-    upd = dict(k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, k_stage=k_stage)
-    return upd, (xf, ps, pz, base)
+    writes = dict(k_codes=(crow, jnp.swapaxes(pack(codes, bits), 1, 2)),
+                  k_scale=(grow, jnp.swapaxes(bs, 1, 2)), k_zero=(grow, jnp.swapaxes(bz, 1, 2)),
+                  k_stage=jnp.where(wrote[:, None, None, None], new_stage, k_stage))
+    return writes, (xf, ps, pz, decode(codes, rs, rz), base)
 
 
 # ------------------------------------------------------------------ the cache
@@ -150,6 +155,8 @@ _DATA = ["k_codes", "k_scale", "k_zero", "k_stage", "v_codes", "v_scale", "v_zer
 @dataclasses.dataclass(frozen=True)
 class UniformLayer(ExactWindowLayer):
     """One layer of a UniformCache (module docstring; per layer the leading L axis is absent)."""
+
+    TOKEN_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
 
     k_codes: jax.Array
     k_scale: jax.Array
@@ -177,63 +184,64 @@ class UniformLayer(ExactWindowLayer):
         """Tokens sharing one key stat: G (kivi) or 1 (token)."""
         return self.group_size if self.kivi else 1
 
-    def attend(self, consts: Any, q, k, v, lengths, n_new) -> tuple[jax.Array, "UniformLayer"]:
-        """Append k, v (float[B, T, Hkv, d]) and attend q float[B, T, H, d] (consts: None).
-
-        Returns (out float[B, T, H, d] in q.dtype, new layer state).
+    def attend(self, consts: Any, q, k, v, lengths, n_new) -> tuple[jax.Array, Writes]:
+        """q float[B, T, H, d] over the stored tokens and the new k, v (float[B, T, Hkv, d]);
+        consts: None. Returns (out float[B, T, H, d] in q.dtype, the writes of the new codes).
         """
-        t, d = q.shape[1], q.shape[-1]
+        b, t, _, d = q.shape
         t_max = self.max_len
         dt = self.ring_k.dtype
-        n_new = n_new.astype(jnp.int32)
-        pos, rows = token_rows(lengths, n_new, t, t_max)
-        end = jnp.minimum(lengths + n_new, t_max)
-        n_kept = end - lengths  # new tokens that fit; the rest are dropped everywhere
+        n_kept = kept_tokens(lengths, n_new, t_max)  # the rest are dropped everywhere
+        pos, rows = token_rows(lengths, n_kept, t, t_max)
+        end = lengths + n_kept
         vgroup = d // self.v_scale.shape[-1]
+        scale = 1.0 / math.sqrt(d)
+        lo, hi = self.code_region(pos, end)  # code region per query: [lo, hi)
 
-        upd = {}
         vc, vs, vz = quantize_token_groups(v.astype(dt), self.bits, vgroup, dt)  # [B, T, Hkv, ...]
-        upd.update(v_codes=write_rows(self.v_codes, rows, pack(vc, self.bits)),
-                   v_scale=write_rows(self.v_scale, rows, vs), v_zero=write_rows(self.v_zero, rows, vz))
+        v_new = jnp.swapaxes(dequantize_token_groups(vc, vs, vz), 1, 2)  # [B, Hkv, T, d] as stored
+        writes = dict(v_codes=(rows, pack(vc, self.bits)), v_scale=(rows, vs), v_zero=(rows, vz))
+        parts = []
         if self.kivi:
-            keys, window = _append_kivi_keys(self, k, lengths, end, bits=self.bits, group=self.group_size, dtype=dt)
-            upd.update(keys)
+            key_writes, (xw, ps, pz, kw, base) = _kivi_key_writes(
+                self, k, lengths, end, bits=self.bits, group=self.group_size, dtype=dt)
+            writes.update(key_writes)
+            # stored groups that were complete before this call come from their codes
+            group_start = (pos // self.group_size) * self.group_size
+            parts.append(self._stored_attention(q, lo, jnp.minimum(hi, base[:, None]), scale))
+            # values of the touched groups' rows: stored before this call, or new
+            widx = base[:, None] + jnp.arange(xw.shape[2], dtype=jnp.int32)[None, :]
+            v_old = decode(unpack(take_rows(self.v_codes, widx), self.bits),
+                           jnp.repeat(take_rows(self.v_scale, widx), vgroup, axis=-1),
+                           jnp.repeat(take_rows(self.v_zero, widx), vgroup, axis=-1))
+            is_old = (widx < lengths[:, None])[:, None, :, None]
+            vw = jnp.where(is_old, v_old, take_rows(v_new, widx - lengths[:, None]))
+            if xw.shape[2] > self.group_size:  # groups completed within this call (prefill)
+                parts.append(tiled_dense_attention(
+                    q.astype(jnp.float32), kw, vw, jnp.maximum(lo - base[:, None], 0),
+                    jnp.clip(jnp.minimum(hi, group_start) - base[:, None], 0, xw.shape[2]),
+                    scale=scale, return_lse=True))
+            parts.append(current_group_attention(q, xw, ps, pz, vw, pos - base[:, None], base, lo, hi,
+                                                 bits=self.bits, group=self.group_size, scale=scale))
         else:
             kc, ks, kz = quantize_token_groups(k.astype(dt), self.bits, d, dt)
-            upd.update(k_codes=write_rows(self.k_codes, rows, pack(kc, self.bits)),
-                       k_scale=write_rows(self.k_scale, rows, ks), k_zero=write_rows(self.k_zero, rows, kz))
-        written = self.write_exact(k, v, lengths, n_kept)
-        new = dataclasses.replace(self, **written, **upd)
-
-        # Code region per query: [lo, hi).
-        lo, hi = self.code_region(pos, end)
-        scale = 1.0 / math.sqrt(d)
-        # Complete groups (and, in token mode, everything) come from the stored codes.
-        hi_main = jnp.minimum(hi, (pos // self.group_size) * self.group_size) if self.kivi else hi
-        out_c, lse_c = uniform_attention(
-            q, new.k_codes, new.k_scale, new.k_zero, new.v_codes, new.v_scale, new.v_zero,
-            lo, hi_main, bits=self.bits, key_rows=self.key_rows, tile=self.tile, scale=scale,
-        )
-        outs, lses = [out_c], [lse_c]
-        if self.kivi:
-            xw, ps, pz, base = window
-            widx = base[:, None] + jnp.arange(xw.shape[2], dtype=jnp.int32)[None, :]
-            vw = decode(
-                unpack(take_rows(new.v_codes, widx), self.bits),
-                jnp.repeat(take_rows(new.v_scale, widx), vgroup, axis=-1),
-                jnp.repeat(take_rows(new.v_zero, widx), vgroup, axis=-1),
-            )
-            out_g, lse_g = current_group_attention(
-                q, xw, ps, pz, vw, pos - base[:, None], base, lo, hi, bits=self.bits, group=self.group_size, scale=scale
-            )
-            outs.append(out_g)
-            lses.append(lse_g)
+            writes.update(k_codes=(rows, pack(kc, self.bits)), k_scale=(rows, ks), k_zero=(rows, kz))
+            parts.append(self._stored_attention(q, lo, jnp.minimum(hi, lengths[:, None]), scale))
+            k_new = jnp.swapaxes(dequantize_token_groups(kc, ks, kz), 1, 2)
+            parts.append(tiled_dense_attention(
+                q.astype(jnp.float32), k_new, v_new, jnp.maximum(lo - lengths[:, None], 0),
+                jnp.clip(hi - lengths[:, None], 0, t), scale=scale, return_lse=True))
         if self.has_exact:
-            out_e, lse_e = self.exact_attention(q, written, k, v, lengths, n_kept, scale=scale)
-            outs.append(out_e)
-            lses.append(lse_e)
-        out, _ = merge_partials(outs, lses)
-        return out.astype(q.dtype), new
+            parts.append(self.exact_attention(q, k, v, lengths, n_kept, scale=scale))
+        writes.update(self.write_exact(k, v, lengths, n_kept))
+        out, _ = merge_partials(*zip(*parts))
+        return out.astype(q.dtype), writes
+
+    def _stored_attention(self, q, lo, hi, scale):
+        """(out, lse) of q over the stored codes of tokens lo <= s < hi (int32[B, T])."""
+        return uniform_attention(q, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale,
+                                 self.v_zero, lo, hi, bits=self.bits, key_rows=self.key_rows, tile=self.tile,
+                                 scale=scale)
 
 
 @register_cache

@@ -9,7 +9,9 @@ buffer, slot = position % W). Attention then reads, for a query at position p:
 
 The window of a query of a multi-token call (prefill) reaches back into tokens
 stored before the call; those are exactly the ring's content before the append,
-so chunked prefill sees the same exact/quantized split as one-shot prefill.
+so chunked prefill sees the same exact/quantized split as one-shot prefill. Attention
+reads the sinks and the ring as stored before the call plus the call's new tokens; the
+new tokens are written afterwards (:mod:`million_jax.cache.base`).
 
 Shapes (one layer):
     sink_k, sink_v: float[B, Hkv, S, d]
@@ -26,9 +28,9 @@ import jax.numpy as jnp
 from typing import Any
 
 from million_jax.attention import attention
-from million_jax.cache.base import KVCache, LayerState, write_rows
+from million_jax.cache.base import KVCache, LayerState, Writes
 
-__all__ = ["ExactWindowCache", "ExactWindowLayer", "empty_window", "write_window", "exact_window_attention"]
+__all__ = ["ExactWindowCache", "ExactWindowLayer", "empty_window", "window_writes", "exact_window_attention"]
 
 
 class ExactWindowLayer(LayerState):
@@ -54,17 +56,20 @@ class ExactWindowLayer(LayerState):
         """Whether some tokens are read exactly (sinks or window, and not ``quantize_all``)."""
         return not self.quantize_all and bool(self.sinks or self.window)
 
-    def write_exact(self, k: jax.Array, v: jax.Array, lengths: jax.Array, n_new: jax.Array) -> dict[str, jax.Array]:
-        """The sink / ring fields after appending k, v float[B, T, Hkv, d] (see :func:`write_window`)."""
-        names = ("sink_k", "sink_v", "ring_k", "ring_v")
-        return dict(zip(names, write_window(*(getattr(self, n) for n in names), k, v, lengths, n_new)))
+    def write_exact(self, k: jax.Array, v: jax.Array, lengths: jax.Array, n_new: jax.Array) -> Writes:
+        """The sink / ring writes that append k, v float[B, T, Hkv, d] (see :func:`window_writes`);
+        empty when the cache keeps no exact tokens."""
+        if not (self.sinks or self.window):
+            return {}
+        return window_writes(self.sinks, self.window, k, v, lengths, n_new)
 
-    def exact_attention(self, q: jax.Array, written: dict[str, jax.Array], k: jax.Array, v: jax.Array,
-                        lengths: jax.Array, n_new: jax.Array, scale: float | None = None):
-        """(out, lse) of q over the exact tokens: the sinks after the append (``written``), the
-        ring before it (this state) and the new k, v (:func:`exact_window_attention`)."""
-        return exact_window_attention(q, written["sink_k"], written["sink_v"], self.ring_k, self.ring_v,
-                                      k, v, lengths, n_new, scale=scale)
+    def exact_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, n_new: jax.Array,
+                        scale: float | None = None):
+        """(out, lse) of q over the exact tokens: the sinks and the ring as stored before this
+        call and the new k, v as they will be stored (:func:`exact_window_attention`)."""
+        dt = self.ring_k.dtype
+        return exact_window_attention(q, self.sink_k, self.sink_v, self.ring_k, self.ring_v, k.astype(dt),
+                                      v.astype(dt), lengths, n_new, scale=scale)
 
     def code_region(self, pos: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(lo, hi) int32[B, T]: query at pos[b, t] reads tokens lo <= s < hi from codes.
@@ -100,27 +105,24 @@ def empty_window(lead: tuple[int, ...], sinks: int, window: int, head_dim: int, 
                 ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype))
 
 
-def write_window(sink_k, sink_v, ring_k, ring_v, k, v, lengths, n_new):
-    """Store the new tokens that belong to the sinks or to the last W positions.
+def window_writes(sinks: int, window: int, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                  n_new: jax.Array) -> Writes:
+    """The writes storing the new tokens that belong to the sinks or to the last W positions.
 
-    Returns (sink_k, sink_v, ring_k, ring_v) updated. Only the last W real new
-    tokens go to the ring, so no two writes hit the same slot.
+    Only the last W real new tokens go to the ring, so no two writes hit the same slot.
     """
-    s_cap, w_cap = sink_k.shape[2], ring_k.shape[2]
     t = k.shape[1]
     steps = jnp.arange(t, dtype=jnp.int32)[None, :]
     pos = lengths[:, None] + steps  # [B, T]
     real = steps < n_new[:, None]
-    sink_rows = jnp.where(real & (pos < s_cap), pos, s_cap)
-    sink_k = write_rows(sink_k, sink_rows, k)
-    sink_v = write_rows(sink_v, sink_rows, v)
-    if w_cap:
+    sink_rows = jnp.where(real & (pos < sinks), pos, sinks)
+    writes = {"sink_k": (sink_rows, k), "sink_v": (sink_rows, v)}
+    if window:
         end = lengths + n_new
-        keep = real & (pos >= (end - w_cap)[:, None])
-        ring_rows = jnp.where(keep, pos % w_cap, w_cap)
-        ring_k = write_rows(ring_k, ring_rows, k)
-        ring_v = write_rows(ring_v, ring_rows, v)
-    return sink_k, sink_v, ring_k, ring_v
+        keep = real & (pos >= (end - window)[:, None])
+        ring_rows = jnp.where(keep, pos % window, window)
+        writes.update(ring_k=(ring_rows, k), ring_v=(ring_rows, v))
+    return writes
 
 
 def _ring_positions(lengths: jax.Array, w: int) -> jax.Array:
@@ -134,6 +136,8 @@ def _ring_positions(lengths: jax.Array, w: int) -> jax.Array:
 def exact_window_attention(q, sink_k, sink_v, ring_k, ring_v, k, v, lengths, n_new, *, scale=None):
     """Attention of q float[B, T, H, d] over the exact keys (sinks, window).
 
+    sink_k, sink_v / ring_k, ring_v: as stored before this call; k, v float[B, T, Hkv, d]: the
+    call's new tokens (n_new[b] real ones), which serve as sinks (position < S) or as window.
     Returns (out float32[B, T, H, d], lse float32[B, T, H]); lse = -inf where a
     query sees no exact key.
     """
@@ -143,11 +147,11 @@ def exact_window_attention(q, sink_k, sink_v, ring_k, ring_v, k, v, lengths, n_n
     q_pos = lengths[:, None] + steps[None, :]  # [B, T]
     new_pos = jnp.where(steps[None, :] < n_new[:, None], q_pos, -1)  # padding never visible
     sink_pos = jnp.broadcast_to(jnp.arange(s_cap, dtype=jnp.int32)[None, :], (b, s_cap))
-    sink_pos = jnp.where(sink_pos < lengths[:, None] + n_new[:, None], sink_pos, -1)
+    sink_pos = jnp.where(sink_pos < lengths[:, None], sink_pos, -1)  # stored before this call
     ring_pos = _ring_positions(lengths, w_cap) if w_cap else jnp.zeros((b, 0), jnp.int32)
     kv_pos = jnp.concatenate([sink_pos, ring_pos, new_pos], axis=1)  # [B, S + W + T]
     is_sink = jnp.concatenate(
-        [jnp.ones((b, s_cap), bool), jnp.zeros((b, w_cap + t), bool)], axis=1
+        [jnp.ones((b, s_cap), bool), jnp.zeros((b, w_cap), bool), new_pos < s_cap], axis=1
     )
     dt = q.dtype
     keys = jnp.concatenate([sink_k.astype(dt), ring_k.astype(dt), jnp.swapaxes(k, 1, 2).astype(dt)], axis=2)

@@ -112,7 +112,7 @@ def attend_pq(books: PQCodebooks, arrays: dict[str, jax.Array], settings: PQSett
     layer = PQLayer(**{n: arrays[n] for n in CACHE_FIELDS}, quantize_all=settings.quantize_all, impl=settings.impl)
     t = query.shape[-3]
     n_new = jnp.full((b,), t, jnp.int32)
-    out, layer = layer.attend(books, flat(query), flat(key), flat(value), lengths, n_new)
+    out, layer = layer.append(books, flat(query), flat(key), flat(value), lengths, n_new)
     new = {n: getattr(layer, n) for n in CACHE_FIELDS}
     new["lengths"] = jnp.minimum(lengths + n_new, layer.max_len)
     return out.reshape(query.shape), new

@@ -109,7 +109,7 @@ def test_pq_cache_matches_numpy_reference(budget, transforms):
         cache = PQCache.for_codebooks(books, B, HKV, T, quantize_all=True, impl="xla", pack=pack)
         layer = jax.tree.map(lambda x: x[0], cache.layers)
         per_layer = jax.tree.map(lambda x: x[0], books)
-        out, new = layer.attend(per_layer, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+        out, new = layer.append(per_layer, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                                 jnp.zeros((B,), jnp.int32), jnp.full((B,), T, jnp.int32))
         outs.append(np.asarray(out))
         assert new.k_codes.shape[-1] == (packed_width(budget[0], budget[1]) if pack else budget[0])
@@ -151,7 +151,7 @@ def test_query_stats_cache_sums_real_queries():
     layer = jax.tree.map(lambda x: x[0], cache.layers)
     q, k, v = (rng.normal(size=(B, T, n, D)).astype(np.float32) for n in (H, HKV, HKV))
     n_new = np.array([T, 3])
-    _, new = layer.attend(None, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.zeros((B,), jnp.int32),
+    _, new = layer.append(None, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.zeros((B,), jnp.int32),
                           jnp.asarray(n_new, jnp.int32))
     stacked = QueryStatsCache(layers=jax.tree.map(lambda x: x[None], new), lengths=jnp.asarray(n_new, jnp.int32))
     gram, count = collect_query_gram(stacked)
