@@ -216,7 +216,7 @@ def collect_model_kvq_samples(model: LoadedModel, ids: Sequence[int], *, window:
         vs.append(v)
         gram += gq
         count += n
-        q = np.asarray(cache.layers.q)  # [L, B, window, H, d]
+        q = np.swapaxes(np.asarray(cache.layers.q), 2, 3)  # [L, B, window, H, d]
         for b in range(chunk.shape[0]):
             p = np.sort(rng.choice(window, size=queries_per_window, replace=False))
             qb = q[:, b, p]  # [L, S, H, d]

@@ -6,10 +6,10 @@ keys, values and Gram sums are exactly what calibration collects today) and writ
 the model hands to ``attend`` into a buffer, through the public cache protocol: no change to
 the model or the library's caches.
 
-State (``QueryRecordLayer``, stacked over layers):
+State (``QueryRecordLayer``, a ``QueryStatsLayer`` plus the queries, stacked over layers):
 
-    stats:   QueryStatsLayer                   k, v float[L, B, Hkv, T_max, d], q_gram, q_count
-    q:       float32[L, B, T_max, H, d]         the queries of every stored token (RoPE applied)
+    k, v, q_gram, q_count                      as QueryStatsLayer
+    q:       float32[L, B, H, T_max, d]         the queries of every stored token (RoPE applied)
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from million_jax.cache.base import KVCache, LayerState, register_cache, token_rows
+from million_jax.cache.base import KVCache, Writes, register_cache, token_rows
 from million_jax.cache.query_stats import QueryStatsCache, QueryStatsLayer
 
 __all__ = ["QueryRecordCache", "QueryRecordLayer"]
@@ -27,25 +27,19 @@ __all__ = ["QueryRecordCache", "QueryRecordLayer"]
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class QueryRecordLayer(LayerState):
-    """stats: QueryStatsLayer of one layer; q: float32[B, T_max, H, d]."""
+class QueryRecordLayer(QueryStatsLayer):
+    """QueryStatsLayer + q float32[B, H, T_max, d] (one layer)."""
 
-    stats: QueryStatsLayer
-    q: jax.Array
+    TOKEN_FIELDS = ("k", "v", "q")
 
-    @property
-    def max_len(self) -> int:
-        return self.stats.max_len
+    q: jax.Array = None  # type: ignore[assignment]
 
     def attend(self, consts: Any, q: jax.Array, k: jax.Array, v: jax.Array,
-               lengths: jax.Array, n_new: jax.Array) -> tuple[jax.Array, "QueryRecordLayer"]:
+               lengths: jax.Array, n_new: jax.Array) -> tuple[jax.Array, Writes]:
         """As QueryStatsLayer; the real rows of q float[B, T, H, d] are written at their positions."""
-        out, stats = self.stats.attend(consts, q, k, v, lengths, n_new)
-        b, t = q.shape[:2]
-        _, rows = token_rows(lengths, n_new, t, self.q.shape[1])
-        bidx = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-        qbuf = self.q.at[bidx, rows].set(q.astype(self.q.dtype), mode="drop")
-        return out, QueryRecordLayer(stats, qbuf)
+        out, writes = super().attend(consts, q, k, v, lengths, n_new)
+        _, rows = token_rows(lengths, n_new, q.shape[1], self.max_len)
+        return out, {**writes, "q": (rows, q)}
 
 
 @register_cache
@@ -59,10 +53,11 @@ class QueryRecordCache(KVCache):
     @classmethod
     def create(cls, num_layers: int, batch: int, num_heads: int, num_kv_heads: int, max_len: int,
                head_dim: int) -> "QueryRecordCache":
-        stats = QueryStatsCache.create(num_layers, batch, num_kv_heads, max_len, head_dim)
-        q = jnp.zeros((num_layers, batch, max_len, num_heads, head_dim), jnp.float32)
-        return cls(layers=QueryRecordLayer(stats.layers, q), lengths=stats.lengths)
+        st = QueryStatsCache.create(num_layers, batch, num_kv_heads, max_len, head_dim).layers
+        q = jnp.zeros((num_layers, batch, num_heads, max_len, head_dim), jnp.float32)
+        return cls(layers=QueryRecordLayer(st.k, st.v, st.q_gram, st.q_count, q), lengths=jnp.zeros((batch,), jnp.int32))
 
     def stats_cache(self) -> QueryStatsCache:
-        """The wrapped QueryStatsCache (for ``collect_kv`` / ``collect_query_gram``)."""
-        return QueryStatsCache(layers=self.layers.stats, lengths=self.lengths)
+        """The QueryStatsCache part (for ``collect_kv`` / ``collect_query_gram``)."""
+        lay = self.layers
+        return QueryStatsCache(layers=QueryStatsLayer(lay.k, lay.v, lay.q_gram, lay.q_count), lengths=self.lengths)
