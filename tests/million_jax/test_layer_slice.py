@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from million_jax.cache.base import MAX_ROW_UPDATES, write_rows
+from million_jax.cache.base import write_rows
 from million_jax.layer_slice import LayerSlice, as_array, rows, take_rows
 
 
@@ -28,22 +28,20 @@ def test_layer_slice_reads_match_indexing(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.uint8])
-@pytest.mark.parametrize("r", [1, 3, MAX_ROW_UPDATES + 1])  # row updates and the scatter path
-@pytest.mark.parametrize("lead", [0, 1])
-def test_write_rows_matches_numpy(dtype, r, lead):
-    rng = np.random.default_rng(r + 10 * lead)
+@pytest.mark.parametrize("r", [1, 5])
+def test_write_rows_matches_numpy(dtype, r):
+    rng = np.random.default_rng(r)
     b, hkv, n, d = 2, 3, 48, 4
-    lead_shape = (2,) * lead
-    buf = jnp.asarray(rng.integers(0, 100, size=lead_shape + (b, hkv, n, d)), dtype)
-    vals = jnp.asarray(rng.integers(100, 200, size=lead_shape + (b, r, hkv, d)), dtype)
+    buf = jnp.asarray(rng.integers(0, 100, size=(b, hkv, n, d)), dtype)
+    vals = jnp.asarray(rng.integers(100, 200, size=(b, r, hkv, d)), dtype)
     rws = np.stack([rng.permutation(n + 4)[:r] for _ in range(b)]).astype(np.int32)  # some >= n: dropped
     rws[0, 0] = n  # the "don't write" index
-    out = jax.jit(lambda a, w, v: write_rows(a, w, v, lead))(buf, jnp.asarray(rws), vals)
+    out = jax.jit(write_rows)(buf, jnp.asarray(rws), vals)
     want = np.asarray(buf.astype(jnp.float32)).copy()
     v = np.asarray(vals.astype(jnp.float32))
     for i in range(b):
         for j in range(r):
             if rws[i, j] < n:
-                want[(Ellipsis, i, slice(None), rws[i, j], slice(None))] = v[(Ellipsis, i, j, slice(None), slice(None))]
+                want[i, :, rws[i, j]] = v[i, j]
     assert out.dtype == buf.dtype
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
