@@ -22,6 +22,7 @@ import time
 import jax
 import numpy as np
 
+from _recipe_args import add_recipe_args
 from million_app.caches import CacheChoice
 from million_app.calibrate import calibration_kvq_samples
 from million_app.flags import load_text
@@ -33,17 +34,7 @@ from million_jax.codebook_finetune import FinetuneSettings, finetune_codebooks, 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--calib", default="builtin:calib")
-    p.add_argument("--text", default="builtin:eval")
-    p.add_argument("--out", required=True)
-    p.add_argument("--recipes", default="pq4,pq2")
-    p.add_argument("--calib-tokens", type=int, default=16384)
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--iters", type=int, default=8)
-    p.add_argument("--max-vectors", type=int, default=4096)
+    add_recipe_args(p, recipes="pq4,pq2")
     p.add_argument("--queries", type=int, default=64, help="query positions sampled per window")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=1e-3)

@@ -14,6 +14,7 @@ import json
 import os
 import time
 
+from _recipe_args import add_recipe_args
 from million_app.caches import CacheChoice
 from million_app.calibrate import calibration_kvq
 from million_app.flags import load_text
@@ -24,17 +25,7 @@ from million_app.recipes import RECIPES, fit_recipe
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--calib", default="builtin:calib")
-    p.add_argument("--text", default="builtin:eval")
-    p.add_argument("--out", required=True)
-    p.add_argument("--recipes", default="pq4,pq4-qa")
-    p.add_argument("--calib-tokens", type=int, default=16384)
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--iters", type=int, default=8)
-    p.add_argument("--max-vectors", type=int, default=4096)
+    add_recipe_args(p, recipes="pq4,pq4-qa")
     p.add_argument("--protocol", default="all")
     p.add_argument("--no-dense", action="store_true")
     a = p.parse_args()

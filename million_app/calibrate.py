@@ -1,6 +1,8 @@
 """Run calibration text through a model and fit its K/V codebooks."""
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import json
 import os
@@ -163,6 +165,13 @@ def calibration_kvq(model: LoadedModel, ids: Sequence[int], *, tokens: int, wind
                     batch: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """(keys, values, query Gram sums, query counts, tokens used) of the first ``tokens`` ids
     (see :func:`collect_model_kvq`)."""
+    return _windowed_forward(ids, tokens, window, "calibration forward", functools.partial(
+        collect_model_kvq, model, ids, window=window, batch=batch))
+
+
+def _windowed_forward(ids: Sequence[int], tokens: int, window: int, label: str, collect: Callable) -> tuple:
+    """``(*collect(max_tokens=..., progress=...), tokens used)`` over the first ``tokens`` ids in
+    whole windows, with a progress bar; UsageError for a bad window or too little text."""
     if window < 2:
         raise UsageError(f"--window must be >= 2, got {window}")
     use = min(tokens, len(ids))
@@ -170,17 +179,16 @@ def calibration_kvq(model: LoadedModel, ids: Sequence[int], *, tokens: int, wind
     if n_win == 0:
         raise UsageError(f"calibration text gives {use} tokens, fewer than one window of {window}"
                          " (use more text or a smaller --window)")
-    pbar = bar(n_win, "calibration forward", unit="window")
+    pbar = bar(n_win, label, unit="window")
 
     def progress(done: int, total: int) -> None:
         pbar.set(done)
 
     try:
-        k, v, gram, count = collect_model_kvq(model, ids, window=window, batch=batch, max_tokens=use,
-                                              progress=progress)
+        out = collect(max_tokens=use, progress=progress)
     finally:
         pbar.close()
-    return k, v, gram, count, n_win * window
+    return (*out, n_win * window)
 
 
 def collect_model_kvq_samples(model: LoadedModel, ids: Sequence[int], *, window: int = 512, batch: int = 4,
@@ -234,24 +242,9 @@ def calibration_kvq_samples(model: LoadedModel, ids: Sequence[int], *, tokens: i
                             batch: int = 4, queries_per_window: int = 64, seed: int = 0):
     """(keys, values, query Gram sums, query counts, queries, query positions, tokens used) of the
     first ``tokens`` ids with a progress bar (see :func:`collect_model_kvq_samples`)."""
-    if window < 2:
-        raise UsageError(f"--window must be >= 2, got {window}")
-    use = min(tokens, len(ids))
-    n_win = use // window
-    if n_win == 0:
-        raise UsageError(f"calibration text gives {use} tokens, fewer than one window of {window}"
-                         " (use more text or a smaller --window)")
-    pbar = bar(n_win, "calibration forward (with queries)", unit="window")
-
-    def progress(done: int, total: int) -> None:
-        pbar.set(done)
-
-    try:
-        out = collect_model_kvq_samples(model, ids, window=window, batch=batch, max_tokens=use,
-                                        queries_per_window=queries_per_window, seed=seed, progress=progress)
-    finally:
-        pbar.close()
-    return (*out, n_win * window)
+    return _windowed_forward(ids, tokens, window, "calibration forward (with queries)", functools.partial(
+        collect_model_kvq_samples, model, ids, window=window, batch=batch, queries_per_window=queries_per_window,
+        seed=seed))
 
 
 def fit_model_codebooks(k: np.ndarray, v: np.ndarray, *, M: int, nbits: int, granularity: str,
