@@ -28,6 +28,7 @@ def main() -> None:
     add_recipe_args(p, recipes="pq4,pq4-qa")
     p.add_argument("--protocol", default="all")
     p.add_argument("--no-dense", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="k-means seed of every recipe's fit (default 0)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     model = open_model(a.model)
@@ -65,7 +66,8 @@ def main() -> None:
     res["calib_tokens_used"] = used
     for name in a.recipes.split(","):
         t0 = time.perf_counter()
-        books = fit_recipe(RECIPES[name], model, k, v, gram, count, iters=a.iters, max_vectors=a.max_vectors)
+        books = fit_recipe(RECIPES[name], model, k, v, gram, count, seed=a.seed, iters=a.iters,
+                           max_vectors=a.max_vectors)
         fit_s = time.perf_counter() - t0
         r = evaluate(model, eval_ids, CacheChoice(kind="pq", codebooks=books, **common), **ev)
         res["rows"].append({"recipe": name, **{k: r[k] for k in ("ppl", "bits_per_elem", "storage_bits_per_elem",
