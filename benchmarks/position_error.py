@@ -10,7 +10,8 @@ value with each codebook file and reports the relative squared error
 sum ||x - x_hat||^2 / sum ||x||^2 per block of ``--bucket`` positions, over all layers and KV
 heads: "fitted" in the space the codebook was fitted in (A k for query-aware keys, where the
 squared error is the expected squared score error; B v for output-aware values), "plain" in
-the model's own space (x_hat mapped back by the inverse transform).
+the model's own space (x_hat mapped back by the inverse transform); "first_4_*": the same
+over the first 4 positions only (the attention sinks).
 """
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def relative_error_by_position(x: np.ndarray, books, transform, stages: int, buc
     y = x if transform is None else transform_rows(x, np.asarray(transform))
     yhat = np.asarray(decode_stages(books, encode_stages(books, y, stages), stages))
     xhat = yhat if transform is None else transform_rows(yhat, inverse(np.asarray(transform)))
-    return {"fitted": _by_bucket(y, yhat, bucket), "plain": _by_bucket(x, xhat, bucket)}
+    return {"fitted": _by_bucket(y, yhat, bucket), "plain": _by_bucket(x, xhat, bucket),
+            "first_4_fitted": _by_bucket(y[:, :, :4], yhat[:, :, :4], 4),
+            "first_4_plain": _by_bucket(x[:, :, :4], xhat[:, :, :4], 4)}
 
 
 def main() -> None:
@@ -65,8 +68,8 @@ def main() -> None:
         rows.append(row)
         print(f"{row['codebooks']} ({row['recipe']}, calibrated on windows of {row['calibration_window']})")
         for name in ("key", "value"):
-            for space in ("fitted", "plain"):
-                print(f"  {name:5s} {space:6s} " + " ".join(f"{e:.4f}" for e in row[name][space]), flush=True)
+            for space in ("fitted", "plain", "first_4_fitted", "first_4_plain"):
+                print(f"  {name:5s} {space:14s} " + " ".join(f"{e:.4f}" for e in row[name][space]), flush=True)
     if a.json:
         write_json(a.json, {"model": a.model, "text": a.text, "window": a.window, "bucket": a.bucket,
                             "rows": rows})

@@ -59,7 +59,7 @@ def main() -> None:
                             "eval_seconds": r["seconds"]})
         save()
     t0 = time.perf_counter()
-    k, v, gram, count, used = calibration_kvq(model, calib_ids, tokens=a.calib_tokens, window=a.window,
+    k, v, gram, count, used = calibration_kvq(model, calib_ids, tokens=a.calib_tokens, window=a.calib_window or a.window,
                                               batch=a.batch)
     res["calib_seconds"] = time.perf_counter() - t0
     res["calib_tokens_used"] = used

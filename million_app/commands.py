@@ -86,6 +86,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model = open_model(args.model)
     check_positions(model, args.window, f"--window {args.window}")
     spec = cache_spec(args, model)
+    if note := spec.beyond_calibration(args.window):
+        progress.warn(note)
     ids = tokenize(model, text, bos=args.bos)
     progress.status(f"eval text {args.text}: {len(ids)} tokens; {spec.label()}")
     r = evaluate(model, ids, spec, window=args.window, max_tokens=args.max_tokens, batch=args.batch)
