@@ -32,6 +32,18 @@ def model_fingerprint(model: LoadedModel) -> str:
     return h.hexdigest()[:16]
 
 
+# Keys are quantized after RoPE, so codebooks serve the positions they were calibrated on
+# (benchmarks/results/position_error_smollm2): calibrate on windows as long as the model's
+# context, within this cap (the calibration forward is quadratic in the window).
+CALIBRATION_WINDOW_CAP = 8192
+
+
+def default_calibration_window(model: LoadedModel, tokens: int) -> int:
+    """The default calibration window: the model's context, at most CALIBRATION_WINDOW_CAP and
+    at most ``tokens`` (the calibration tokens on hand)."""
+    return max(2, min(model.config.max_position_embeddings, CALIBRATION_WINDOW_CAP, tokens))
+
+
 def windows(ids: Sequence[int], window: int, max_tokens: int | None = None) -> np.ndarray:
     """The first max_tokens ids cut into non-overlapping windows: int32[n, window] (partial dropped)."""
     ids = np.asarray(ids[:max_tokens] if max_tokens else ids, np.int32)

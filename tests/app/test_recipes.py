@@ -38,3 +38,17 @@ def test_bits_excludes_m_and_nbits(cli, tiny_dir, tmp_path):
     err = one_error_line(cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--bits", "4",
                              "--nbits", "6", "--out", tmp_path / "x.safetensors", "--quiet"))
     assert "--bits" in err
+
+
+def test_default_calibration_window_is_the_context_or_the_tokens(cli, tiny_dir, tiny, tmp_path):
+    """Without --window the codebooks are calibrated on windows as long as the model's context
+    (capped) or the calibration tokens, and the file records it."""
+    ctx = tiny.config.max_position_embeddings
+    for tokens, want in ((ctx // 2, ctx // 2), (2 * ctx, ctx)):
+        path = tmp_path / f"w{tokens}.safetensors"
+        res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", tokens, "--nbits", "4",
+                  "--iters", "1", "--out", path)
+        assert res.rc == 0, res.err
+        _, meta = load_codebooks(path)
+        assert meta["calib_window"] == want and meta["calib_tokens"] == tokens // want * want
+        assert f"calibration window {want} tokens" in res.err
