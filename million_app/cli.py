@@ -95,9 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=25, help="k-means iterations (default 25)")
     p.add_argument("--max-vectors", type=int, default=65536,
                    help="vectors sampled per k-means problem (default 65536)")
-    p.add_argument("--window", type=int, default=None,
-                   help="calibration window: keys are quantized after RoPE, so the codebooks serve "
-                        "positions up to it (default: the model's context, at most 8192 and at most "
+    p.add_argument("--window", default=None,
+                   help="calibration window(s), e.g. 512 or 512,8192 (the tokens split equally between "
+                        "them): keys are quantized after RoPE, so the codebooks serve positions up to the "
+                        "longest (default: 512 and the model's context, at most 8192 and at most half "
                         "the calibration tokens)")
     p.add_argument("--batch", type=int, default=4, help="windows per forward (default 4)")
     p.add_argument("--out", required=True, help="output .safetensors file")

@@ -5,7 +5,7 @@ import argparse
 
 from million_app import progress
 from million_app.calibrate import (calibration_kvq, calibration_kvq_samples, codebook_metadata,
-                                   default_calibration_window, fit_model_codebooks,
+                                   default_calibration_windows, fit_model_codebooks, parse_windows,
                                    kmeans_problem_summary, model_fingerprint,
                                    save_model_codebooks)
 from million_app.corpus import text_hash
@@ -26,8 +26,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_writable(args.out, "--out", overwrite=args.force)
     text = load_text(args.text, "--text", args)
     model = open_model(args.model)
-    if args.window is not None:
-        check_positions(model, args.window, f"--window {args.window}")
+    windows = None if args.window is None else parse_windows(args.window)
+    for w in windows or ():
+        check_positions(model, w, f"--window {args.window}")
     d = model.config.head_dim
     recipe = None
     if args.bits is not None:
@@ -42,12 +43,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_codebook_settings(nbits, args.max_vectors)
     ids = tokenize(model, text)
     progress.status(f"calibration text {args.text}: {len(ids)} tokens, using up to {args.tokens}")
-    window = args.window
-    if window is None:
-        window = default_calibration_window(model, min(args.tokens, len(ids)))
-        progress.status(f"calibration window {window} tokens (the codebooks serve positions up to it)")
+    if windows is None:
+        windows = default_calibration_windows(model, min(args.tokens, len(ids)))
+        progress.status(f"calibration windows of {' and '.join(map(str, windows))} tokens (the codebooks serve "
+                        f"positions up to {max(windows)})")
+    window = windows if len(windows) > 1 else windows[0]
     queries = None
     if recipe is not None and recipe.finetune is not None:
+        if len(windows) > 1:
+            raise UsageError(f"recipe {recipe.name} fine-tunes on one window length: give one --window")
         k, v, gram, count, q, q_pos, used = calibration_kvq_samples(model, ids, tokens=args.tokens,
                                                                     window=window, batch=args.batch,
                                                                     seed=args.seed)
@@ -70,7 +74,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                                seed=args.seed, iters=args.iters, max_vectors=args.max_vectors,
                                queries=queries)
     meta = codebook_metadata(model, books, calib_text=args.text, calib_text_hash=text_hash(text),
-                             calib_tokens=used, calib_window=window, seed=args.seed,
+                             calib_tokens=used, calib_window=max(windows), calib_windows=list(windows),
+                             seed=args.seed,
                              iters=args.iters, max_vectors=args.max_vectors,
                              fit_seconds=round(t["seconds"], 2),
                              recipe=recipe.name if recipe else None,
