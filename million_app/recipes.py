@@ -19,9 +19,12 @@ value_nbits / value_dsub) / 2. ``BEST_FOR_BITS`` holds, per budget, the recipe t
 best on SmolLM2-135M (benchmarks/results/recipes_smollm2/: 4096 tokens of builtin:eval, every
 key/value read from codes, ppl vs dense 11.260; every recipe of ``RECIPES`` measured, 2026-12-02):
 
-    4 b/elem  pq4-qa  +2.0%    (pq4 +2.7%, pq4-qa-ow +3.7%, pq4-qa-k3v5 +8.9%)
-    3 b/elem  pq3-qa  +11.9%   (the only 3 b/elem recipe)
-    2 b/elem  pq2-qa  +44.0%   (pq2-qa-ow +46.1%, pq2 +53.4%, pq2-qa-k1v3 +147.3%)
+    4 b/elem  pq4-qa  +2.0%    (pq4 +2.7%, pq4-qa-ow +3.7%, pq4-qa-k3v5 +8.9%; residual:
+                               pq4-r2-qa +3.7%, pq4-r2 +3.9%, pq4-r4-qa +4.2%)
+    3 b/elem  pq3-qa  +11.9%   (pq3-r2-qa +14.1%)
+    2 b/elem  pq2-r2-qa  +35.9%   (two residual stages of 8-dim sub-vectors; pq2-qa +44.0%,
+                                pq2-qa-ow +46.1%, pq2 +53.4%, pq2-qa-k1v3 +147.3%;
+                                recipes_smollm2/residual/)
     1 b/elem  pq1-qa  +290.5%  (the only 1 b/elem recipe; measured, but far from usable)
 
 With 4 exact sinks + 64 exact recent tokens (realistic/) plain pq4 (+0.2%) and pq2 (+2.2%)
@@ -102,7 +105,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 )}
 
 # bits per element -> recipe name, the measured best per budget (module docstring, results README)
-BEST_FOR_BITS: dict[int, str] = {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-qa", 1: "pq1-qa"}
+BEST_FOR_BITS: dict[int, str] = {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-r2-qa", 1: "pq1-qa"}
 
 
 def recipe_for_bits(bits: int) -> Recipe:

@@ -26,7 +26,9 @@ def test_calibrate_bits_writes_the_recipe(cli, tiny_dir, tiny, tmp_path):
     d = tiny.config.head_dim
     assert meta["recipe"] == recipe.name and meta["bits_per_elem"] == recipe.bits_per_elem == 2.0
     assert (meta["key_M"], meta["key_nbits"], meta["value_M"], meta["value_nbits"]) == (
-        d // recipe.key_dsub, recipe.key_nbits, d // recipe.value_dsub, recipe.value_nbits)
+        recipe.stages * d // recipe.key_dsub, recipe.key_nbits, recipe.stages * d // recipe.value_dsub,
+        recipe.value_nbits)
+    assert meta["stages"] == recipe.stages
     assert meta["query_aware_keys"] == recipe.query_aware
     books, _ = load_model_codebooks(str(path), tiny)
     if recipe.query_aware:
