@@ -6,10 +6,12 @@
 Codebooks calibrated on short windows see post-RoPE keys only at the rotation angles of
 positions < window; keys far beyond that may fall where no centroid is. This runs the model
 over one ``--window``-token window of the text (dense, exact), encodes every post-RoPE key and
-value with each codebook file (in the transformed space when the file has query-aware /
-output-aware transforms, where the squared error is the expected score / output error) and
-reports the relative squared error sum ||x - x_hat||^2 / sum ||x||^2 per block of
-``--bucket`` positions, over all layers and KV heads.
+value with each codebook file and reports the relative squared error
+sum ||x - x_hat||^2 / sum ||x||^2 per block of ``--bucket`` positions, over all layers and KV
+heads: "fitted" in the space the codebook was fitted in (A k for query-aware keys, where the
+squared error is the expected squared score error; B v for output-aware values), "plain" in
+the model's own space (x_hat mapped back by the inverse transform); "first_4_*": the same
+over the first 4 positions only (the attention sinks).
 """
 from __future__ import annotations
 
@@ -22,19 +24,26 @@ from million_app.calibrate import collect_model_kv, load_model_codebooks
 from million_app.corpus import read_text
 from million_app.loading import open_model, tokenize
 from million_app.report import write_json
-from million_jax.kv_transforms import transform_rows
-from million_jax.pq import decode, encode
+from million_jax.kv_transforms import inverse, transform_rows
+from million_jax.residual_pq import decode_stages, encode_stages
 
 
-def relative_error_by_position(x: np.ndarray, books, transform, bucket: int) -> list[float]:
-    """x: float32[L, Hkv, N, d] -> relative squared error per block of ``bucket`` positions."""
-    if transform is not None:
-        x = transform_rows(x, np.asarray(transform))
-    xhat = np.asarray(decode(books, encode(books, x)))
+def _by_bucket(x: np.ndarray, xhat: np.ndarray, bucket: int) -> list[float]:
     err = ((x - xhat) ** 2).sum(axis=(0, 1, 3))  # [N]
     ref = (x ** 2).sum(axis=(0, 1, 3))
     n = x.shape[2] // bucket * bucket
     return [float(e / r) for e, r in zip(err[:n].reshape(-1, bucket).sum(1), ref[:n].reshape(-1, bucket).sum(1))]
+
+
+def relative_error_by_position(x: np.ndarray, books, transform, stages: int, bucket: int) -> dict[str, list[float]]:
+    """x: float32[L, Hkv, N, d] -> relative squared error per block of ``bucket`` positions, in
+    the space the codebook was fitted in ("fitted": A k or B v) and in the model's ("plain")."""
+    y = x if transform is None else transform_rows(x, np.asarray(transform))
+    yhat = np.asarray(decode_stages(books, encode_stages(books, y, stages), stages))
+    xhat = yhat if transform is None else transform_rows(yhat, inverse(np.asarray(transform)))
+    return {"fitted": _by_bucket(y, yhat, bucket), "plain": _by_bucket(x, xhat, bucket),
+            "first_4_fitted": _by_bucket(y[:, :, :4], yhat[:, :, :4], 4),
+            "first_4_plain": _by_bucket(x[:, :, :4], xhat[:, :, :4], 4)}
 
 
 def main() -> None:
@@ -54,12 +63,13 @@ def main() -> None:
         books, meta = load_model_codebooks(path, model)
         row = {"codebooks": os.path.basename(path), "recipe": books.recipe,
                "calibration_window": meta.get("calib_window"),
-               "key": relative_error_by_position(k, books.key, books.key_transform, a.bucket),
-               "value": relative_error_by_position(v, books.value, books.value_transform, a.bucket)}
+               "key": relative_error_by_position(k, books.key, books.key_transform, books.stages, a.bucket),
+               "value": relative_error_by_position(v, books.value, books.value_transform, books.stages, a.bucket)}
         rows.append(row)
         print(f"{row['codebooks']} ({row['recipe']}, calibrated on windows of {row['calibration_window']})")
         for name in ("key", "value"):
-            print(f"  {name:5s} " + " ".join(f"{e:.4f}" for e in row[name]), flush=True)
+            for space in ("fitted", "plain", "first_4_fitted", "first_4_plain"):
+                print(f"  {name:5s} {space:14s} " + " ".join(f"{e:.4f}" for e in row[name][space]), flush=True)
     if a.json:
         write_json(a.json, {"model": a.model, "text": a.text, "window": a.window, "bucket": a.bucket,
                             "rows": rows})

@@ -16,7 +16,7 @@ import time
 
 from _recipe_args import add_recipe_args
 from million_app.caches import CacheChoice
-from million_app.calibrate import calibration_kvq
+from million_app.calibrate import calibration_kvq, codebook_metadata, parse_windows, save_model_codebooks
 from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
 from million_app.perplexity import evaluate
@@ -26,9 +26,11 @@ from million_app.recipes import RECIPES, fit_recipe
 def main() -> None:
     p = argparse.ArgumentParser()
     add_recipe_args(p, recipes="pq4,pq4-qa")
-    p.add_argument("--protocol", default="all")
+    p.add_argument("--protocol", default="all", help="all, realistic, or all,realistic (each recipe evaluated "
+                   "under both; rows named 'recipe [protocol]')")
     p.add_argument("--no-dense", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="k-means seed of every recipe's fit (default 0)")
+    p.add_argument("--save-books", default="", help="directory to save each recipe's codebook file in")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     model = open_model(a.model)
@@ -53,14 +55,16 @@ def main() -> None:
             f.write("\n".join(lines) + "\n")
 
     ev = dict(window=a.window, max_tokens=a.max_tokens, batch=a.batch)
-    common = dict(protocol=a.protocol, recent=64, sinks=4 if a.protocol == "realistic" else 0, dtype="bfloat16")
+    protocols = a.protocol.split(",")
+    settings = {p: dict(protocol=p, recent=64, sinks=4 if p == "realistic" else 0, dtype="bfloat16") for p in protocols}
     if not a.no_dense:
-        r = evaluate(model, eval_ids, CacheChoice(kind="dense", **common), **ev)
+        r = evaluate(model, eval_ids, CacheChoice(kind="dense", **settings[protocols[0]]), **ev)
         res["rows"].append({"recipe": "dense", **{k: r[k] for k in ("ppl", "bits_per_elem", "storage_bits_per_elem")},
                             "eval_seconds": r["seconds"]})
         save()
+    calib_window = parse_windows(a.calib_window, "--calib-window") if a.calib_window else a.window
     t0 = time.perf_counter()
-    k, v, gram, count, used = calibration_kvq(model, calib_ids, tokens=a.calib_tokens, window=a.window,
+    k, v, gram, count, used = calibration_kvq(model, calib_ids, tokens=a.calib_tokens, window=calib_window,
                                               batch=a.batch)
     res["calib_seconds"] = time.perf_counter() - t0
     res["calib_tokens_used"] = used
@@ -69,12 +73,20 @@ def main() -> None:
         books = fit_recipe(RECIPES[name], model, k, v, gram, count, seed=a.seed, iters=a.iters,
                            max_vectors=a.max_vectors)
         fit_s = time.perf_counter() - t0
-        r = evaluate(model, eval_ids, CacheChoice(kind="pq", codebooks=books, **common), **ev)
-        res["rows"].append({"recipe": name, **{k: r[k] for k in ("ppl", "bits_per_elem", "storage_bits_per_elem",
-                                                                  "cache_bytes")},
-                            "fit_seconds": fit_s, "eval_seconds": r["seconds"], "label": r["cache_label"]})
-        save()
-        print(res["rows"][-1], flush=True)
+        if a.save_books:
+            os.makedirs(a.save_books, exist_ok=True)
+            windows = parse_windows(calib_window)
+            save_model_codebooks(os.path.join(a.save_books, f"{name}.safetensors"), books, codebook_metadata(
+                model, books, calib_text=a.calib, calib_tokens=used, calib_window=max(windows),
+                calib_windows=list(windows), seed=a.seed, iters=a.iters, max_vectors=a.max_vectors, recipe=name),
+                flag="--save-books")
+        for protocol in protocols:
+            r = evaluate(model, eval_ids, CacheChoice(kind="pq", codebooks=books, **settings[protocol]), **ev)
+            res["rows"].append({"recipe": name if len(protocols) == 1 else f"{name} [{protocol}]",
+                                **{k: r[k] for k in ("ppl", "bits_per_elem", "storage_bits_per_elem", "cache_bytes")},
+                                "fit_seconds": fit_s, "eval_seconds": r["seconds"], "label": r["cache_label"]})
+            save()
+            print(res["rows"][-1], flush=True)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ class CacheChoice:
     codebooks: PQCodebooks | None = None
     codebooks_path: str | None = None
     impl: str = "auto"
+    calib_window: int | None = None  # the codebooks' calibration window (file metadata), if known
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -121,7 +122,7 @@ class CacheChoice:
             return f"dense {self.effective_dtype}"
         if self.kind == "pq":
             b = self.codebooks
-            if b.same_budget and b.key_transform is None and b.value_transform is None:
+            if b.same_budget and b.key_transform is None and b.value_transform is None and b.stages == 1:
                 return f"pq M={b.key_M} nbits={b.key_nbits} {b.granularity}"
             return f"pq {b.recipe} {b.granularity}"
         if self.uniform_mode == "kivi":
@@ -145,12 +146,26 @@ class CacheChoice:
             b = self.codebooks
             out.update(M=b.key_M, nbits=b.key_nbits, value_M=b.value_M, value_nbits=b.value_nbits,
                        query_aware_keys=b.key_transform is not None,
-                       output_aware_values=b.value_transform is not None,
-                       granularity=b.granularity, codebooks=self.codebooks_path)
+                       output_aware_values=b.value_transform is not None, stages=b.stages,
+                       granularity=b.granularity, codebooks=self.codebooks_path,
+                       calib_window=self.calib_window)
         else:
             out.update(bits=self.bits, uniform_mode=self.uniform_mode,
                        group_size=self.group_size if self.uniform_mode == "kivi" else None)
         return out
+
+    def beyond_calibration(self, n_tokens: int) -> str | None:
+        """A warning when PQ codebooks calibrated on windows shorter than ``n_tokens`` read them.
+
+        Keys are quantized after RoPE: positions past the calibration window rotate them to
+        angles the k-means never saw (benchmarks/results/position_error_smollm2: query-weighted
+        key error 0.3% in the first 1K positions, 46% at 6-8K, for 512-token calibration)."""
+        if self.kind != "pq" or self.calib_window is None or n_tokens <= self.calib_window:
+            return None
+        return (f"the codebooks ({self.codebooks_path or 'given'}) were calibrated on windows of "
+                f"{self.calib_window} tokens and will read sequences of up to {n_tokens}: keys past "
+                f"position {self.calib_window} are quantized with a much larger error (long-range "
+                f"retrieval fails); calibrate with `million-jax calibrate --window {n_tokens}` or more")
 
     # ------------------------------------------------------------------ building
     def library_spec(self) -> CacheSpec:

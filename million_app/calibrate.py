@@ -32,6 +32,39 @@ def model_fingerprint(model: LoadedModel) -> str:
     return h.hexdigest()[:16]
 
 
+# Keys are quantized after RoPE, so codebooks serve the positions they were calibrated on, and
+# the first tokens of a sequence (attention sinks) are outliers every query reads
+# (benchmarks/results/position_error_smollm2): the default calibration runs half its tokens in
+# short windows (many sequence starts) and half in windows as long as the model's context,
+# within this cap (the calibration forward is quadratic in the window).
+CALIBRATION_WINDOW_CAP = 8192
+SHORT_CALIBRATION_WINDOW = 512
+
+
+def default_calibration_windows(model: LoadedModel, tokens: int) -> tuple[int, ...]:
+    """The default calibration windows for ``tokens`` calibration tokens on hand:
+    (512, the model's context capped at CALIBRATION_WINDOW_CAP and at tokens / 2), or one
+    window length when the long one is not longer than 512."""
+    long = max(2, min(model.config.max_position_embeddings, CALIBRATION_WINDOW_CAP, tokens // 2))
+    short = min(SHORT_CALIBRATION_WINDOW, long)
+    if long <= short:
+        return (max(2, min(model.config.max_position_embeddings, CALIBRATION_WINDOW_CAP, tokens)),)
+    return (short, long)
+
+
+def parse_windows(spec: str | int | Sequence[int], flag: str = "--window") -> tuple[int, ...]:
+    """``"512,8192"`` / 512 / (512, 8192) -> a tuple of window lengths (UsageError if malformed)."""
+    if isinstance(spec, str):
+        try:
+            spec = [int(x) for x in spec.split(",")]
+        except ValueError:
+            raise UsageError(f"{flag} must be window lengths like 512 or 512,8192, got {spec!r}") from None
+    out = (int(spec),) if isinstance(spec, (int, np.integer)) else tuple(int(x) for x in spec)
+    if not out or any(w < 2 for w in out):
+        raise UsageError(f"{flag} window lengths must be >= 2, got {spec!r}")
+    return out
+
+
 def windows(ids: Sequence[int], window: int, max_tokens: int | None = None) -> np.ndarray:
     """The first max_tokens ids cut into non-overlapping windows: int32[n, window] (partial dropped)."""
     ids = np.asarray(ids[:max_tokens] if max_tokens else ids, np.int32)
@@ -161,12 +194,26 @@ def calibration_kv(model: LoadedModel, ids: Sequence[int], *, tokens: int, windo
     return k, v, used
 
 
-def calibration_kvq(model: LoadedModel, ids: Sequence[int], *, tokens: int, window: int,
+def calibration_kvq(model: LoadedModel, ids: Sequence[int], *, tokens: int, window: int | Sequence[int],
                     batch: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """(keys, values, query Gram sums, query counts, tokens used) of the first ``tokens`` ids
-    (see :func:`collect_model_kvq`)."""
-    return _windowed_forward(ids, tokens, window, "calibration forward", functools.partial(
-        collect_model_kvq, model, ids, window=window, batch=batch))
+    (see :func:`collect_model_kvq`).
+
+    ``window``: one length, or several (e.g. (512, 8192)): the tokens are then split into
+    equal consecutive parts, part i cut into windows of length window[i], and the samples of
+    all parts pooled (K/V concatenated along N, query sums added)."""
+    lengths = parse_windows(window)
+    if len(lengths) == 1:
+        return _windowed_forward(ids, tokens, lengths[0], "calibration forward", functools.partial(
+            collect_model_kvq, model, ids, window=lengths[0], batch=batch))
+    share = min(tokens, len(ids)) // len(lengths)
+    parts = []
+    for i, w in enumerate(lengths):
+        part = ids[i * share:(i + 1) * share]
+        parts.append(_windowed_forward(part, share, w, f"calibration forward, windows of {w}", functools.partial(
+            collect_model_kvq, model, part, window=w, batch=batch)))
+    k, v, gram, count, used = zip(*parts)
+    return (np.concatenate(k, axis=2), np.concatenate(v, axis=2), sum(gram), sum(count), sum(used))
 
 
 def _windowed_forward(ids: Sequence[int], tokens: int, window: int, label: str, collect: Callable) -> tuple:

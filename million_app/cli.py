@@ -95,7 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=25, help="k-means iterations (default 25)")
     p.add_argument("--max-vectors", type=int, default=65536,
                    help="vectors sampled per k-means problem (default 65536)")
-    p.add_argument("--window", type=int, default=512, help="calibration window (default 512)")
+    p.add_argument("--window", default=None,
+                   help="calibration window(s), e.g. 512 or 512,8192 (the tokens split equally between "
+                        "them): keys are quantized after RoPE, so the codebooks serve positions up to the "
+                        "longest (default: 512 and the model's context, at most 8192 and at most half "
+                        "the calibration tokens)")
     p.add_argument("--batch", type=int, default=4, help="windows per forward (default 4)")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 
 from million_app import progress
-from million_app.calibrate import (calibration_kvq, calibration_kvq_samples, codebook_metadata, fit_model_codebooks,
+from million_app.calibrate import (calibration_kvq, calibration_kvq_samples, codebook_metadata,
+                                   default_calibration_windows, fit_model_codebooks, parse_windows,
                                    kmeans_problem_summary, model_fingerprint,
                                    save_model_codebooks)
 from million_app.corpus import text_hash
@@ -25,7 +26,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_writable(args.out, "--out", overwrite=args.force)
     text = load_text(args.text, "--text", args)
     model = open_model(args.model)
-    check_positions(model, args.window, f"--window {args.window}")
+    windows = None if args.window is None else parse_windows(args.window)
+    for w in windows or ():
+        check_positions(model, w, f"--window {args.window}")
     d = model.config.head_dim
     recipe = None
     if args.bits is not None:
@@ -40,14 +43,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_codebook_settings(nbits, args.max_vectors)
     ids = tokenize(model, text)
     progress.status(f"calibration text {args.text}: {len(ids)} tokens, using up to {args.tokens}")
+    if windows is None:
+        windows = default_calibration_windows(model, min(args.tokens, len(ids)))
+        progress.status(f"calibration windows of {' and '.join(map(str, windows))} tokens (the codebooks serve "
+                        f"positions up to {max(windows)})")
+    window = windows if len(windows) > 1 else windows[0]
     queries = None
     if recipe is not None and recipe.finetune is not None:
+        if len(windows) > 1:
+            raise UsageError(f"recipe {recipe.name} fine-tunes on one window length: give one --window")
         k, v, gram, count, q, q_pos, used = calibration_kvq_samples(model, ids, tokens=args.tokens,
-                                                                    window=args.window, batch=args.batch,
+                                                                    window=window, batch=args.batch,
                                                                     seed=args.seed)
-        queries = (q, q_pos, args.window)
+        queries = (q, q_pos, window)
     else:
-        k, v, gram, count, used = calibration_kvq(model, ids, tokens=args.tokens, window=args.window,
+        k, v, gram, count, used = calibration_kvq(model, ids, tokens=args.tokens, window=window,
                                                   batch=args.batch)
     if recipe is None:
         progress.status("k-means: " + kmeans_problem_summary(k.shape, M, nbits, args.granularity,
@@ -64,7 +74,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                                seed=args.seed, iters=args.iters, max_vectors=args.max_vectors,
                                queries=queries)
     meta = codebook_metadata(model, books, calib_text=args.text, calib_text_hash=text_hash(text),
-                             calib_tokens=used, calib_window=args.window, seed=args.seed,
+                             calib_tokens=used, calib_window=max(windows), calib_windows=list(windows),
+                             seed=args.seed,
                              iters=args.iters, max_vectors=args.max_vectors,
                              fit_seconds=round(t["seconds"], 2),
                              recipe=recipe.name if recipe else None,
@@ -86,6 +97,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model = open_model(args.model)
     check_positions(model, args.window, f"--window {args.window}")
     spec = cache_spec(args, model)
+    if note := spec.beyond_calibration(args.window):
+        progress.warn(note)
     ids = tokenize(model, text, bos=args.bos)
     progress.status(f"eval text {args.text}: {len(ids)} tokens; {spec.label()}")
     r = evaluate(model, ids, spec, window=args.window, max_tokens=args.max_tokens, batch=args.batch)

@@ -92,15 +92,18 @@ def cache_spec(args: argparse.Namespace, model: LoadedModel) -> CacheChoice:
     if args.uniform_mode == "token" and args.group_size is not None:
         raise UsageError("--group-size applies to --uniform-mode kivi (token mode has one "
                          "scale per token)")
-    books, path = None, None
+    books, path, calib_window = None, None, None
     if args.codebooks is not None:
         if args.cache != "pq":
             raise UsageError(f"--codebooks is only used with --cache pq, not --cache {args.cache}")
-        books, _ = load_model_codebooks(args.codebooks, model)
+        books, meta = load_model_codebooks(args.codebooks, model)
         path = args.codebooks
+        w = meta.get("calib_window")
+        calib_window = w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
     return CacheChoice(kind=args.cache, protocol=protocol if quantized else "all",
                      recent=64 if args.recent is None else args.recent,
                      sinks=0 if args.sinks is None else args.sinks,
                      dtype=args.cache_dtype, bits=args.bits,
                      group_size=32 if args.group_size is None else args.group_size,
-                     uniform_mode=args.uniform_mode or "kivi", codebooks=books, codebooks_path=path)
+                     uniform_mode=args.uniform_mode or "kivi", codebooks=books, codebooks_path=path,
+                       calib_window=calib_window)

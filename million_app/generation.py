@@ -164,6 +164,8 @@ def run_generate_command(args: argparse.Namespace) -> int:
         raise UsageError("the prompt is empty")
     check_sampling(args.temperature, args.top_k, args.top_p)
     check_fits(model, spec, len(ids), args.max_new_tokens)
+    if note := spec.beyond_calibration(len(ids) + args.max_new_tokens):
+        progress.warn(note)
     progress.status(f"{model_name(model)}, {spec.label()}, prompt {len(ids)} tokens")
     if not args.chat:
         sys.stdout.write(args.prompt)

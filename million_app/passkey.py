@@ -119,6 +119,8 @@ def run_passkey_command(args: argparse.Namespace) -> int:
     model = open_model(args.model)
     spec = cache_spec(args, model)
     lengths = parse_lengths(args.lengths, model.config.max_position_embeddings)
+    if note := spec.beyond_calibration(max(lengths)):
+        progress.warn(note)
     specs = [CacheChoice(kind="dense", dtype=args.cache_dtype)]
     if spec.kind != "dense":
         specs.append(spec)

@@ -83,6 +83,11 @@ def _set_phase(phase: str) -> None:
     _STATE.update(phase=phase, since=time.monotonic())
 
 
+def warn(msg: str) -> None:
+    """A warning line on stderr, shown even with --quiet."""
+    _emit(f"warning: {msg}")
+
+
 def status(msg: str) -> None:
     """One line of progress information on stderr (it also names the current phase)."""
     check_cancelled()

@@ -11,15 +11,20 @@ A recipe is what ``million-jax calibrate --bits B`` fits without the user choosi
                               (q, k, v) (:mod:`million_jax.codebook_finetune`); needs query samples
     finetune_reassign         0: codes fixed at the k-means assignment during fine-tuning;
                               n > 0: re-encoded every n steps
+    stages                    > 1: residual PQ (:mod:`million_jax.residual_pq`), each stage a
+                              PQ of the given dsub / nbits on what the previous stages left
 
-Stored bits per element (keys and values together) = (key_nbits / key_dsub +
+Stored bits per element (keys and values together) = stages * (key_nbits / key_dsub +
 value_nbits / value_dsub) / 2. ``BEST_FOR_BITS`` holds, per budget, the recipe that measured
 best on SmolLM2-135M (benchmarks/results/recipes_smollm2/: 4096 tokens of builtin:eval, every
 key/value read from codes, ppl vs dense 11.260; every recipe of ``RECIPES`` measured, 2026-12-02):
 
-    4 b/elem  pq4-qa  +2.0%    (pq4 +2.7%, pq4-qa-ow +3.7%, pq4-qa-k3v5 +8.9%)
-    3 b/elem  pq3-qa  +11.9%   (the only 3 b/elem recipe)
-    2 b/elem  pq2-qa  +44.0%   (pq2-qa-ow +46.1%, pq2 +53.4%, pq2-qa-k1v3 +147.3%)
+    4 b/elem  pq4-qa  +2.0%    (pq4 +2.7%, pq4-qa-ow +3.7%, pq4-qa-k3v5 +8.9%; residual:
+                               pq4-r2-qa +3.7%, pq4-r2 +3.9%, pq4-r4-qa +4.2%)
+    3 b/elem  pq3-qa  +11.9%   (pq3-r2-qa +14.1%)
+    2 b/elem  pq2-r2-qa  +35.9%   (two residual stages of 8-dim sub-vectors; pq2-qa +44.0%,
+                                pq2-qa-ow +46.1%, pq2 +53.4%, pq2-qa-k1v3 +147.3%;
+                                recipes_smollm2/residual/)
     1 b/elem  pq1-qa  +290.5%  (the only 1 b/elem recipe; measured, but far from usable)
 
 With 4 exact sinks + 64 exact recent tokens (realistic/) plain pq4 (+0.2%) and pq2 (+2.2%)
@@ -53,6 +58,7 @@ class Recipe:
     output_aware: bool = False
     finetune_steps: int = 0
     finetune_reassign: int = 0
+    stages: int = 1
 
     @property
     def finetune(self) -> FinetuneSettings | None:
@@ -63,10 +69,10 @@ class Recipe:
 
     @property
     def bits_per_elem(self) -> float:
-        return (self.key_nbits / self.key_dsub + self.value_nbits / self.value_dsub) / 2
+        return self.stages * (self.key_nbits / self.key_dsub + self.value_nbits / self.value_dsub) / 2
 
     def budgets(self, head_dim: int) -> dict[str, int]:
-        """key / value M and nbits for this head_dim (UsageError if a dsub does not divide it)."""
+        """key / value M (per stage) and nbits for this head_dim (UsageError if a dsub does not divide it)."""
         for dsub in (self.key_dsub, self.value_dsub):
             if head_dim % dsub:
                 raise UsageError(f"recipe {self.name}: sub-vectors of {dsub} dims do not divide head_dim {head_dim}")
@@ -90,10 +96,16 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq4-qa-ft", 2, 8, 2, 8, query_aware=True, finetune_steps=100),
     Recipe("pq2-ft", 4, 8, 4, 8, finetune_steps=100),
     Recipe("pq2-qa-ft", 4, 8, 4, 8, query_aware=True, finetune_steps=100),
+    # residual PQ: two (four) stages of wider sub-vectors at the same stored bits
+    Recipe("pq4-r2", 4, 8, 4, 8, stages=2),
+    Recipe("pq4-r2-qa", 4, 8, 4, 8, query_aware=True, stages=2),
+    Recipe("pq4-r4-qa", 8, 8, 8, 8, query_aware=True, stages=4),
+    Recipe("pq3-r2-qa", 4, 6, 4, 6, query_aware=True, stages=2),
+    Recipe("pq2-r2-qa", 8, 8, 8, 8, query_aware=True, stages=2),
 )}
 
 # bits per element -> recipe name, the measured best per budget (module docstring, results README)
-BEST_FOR_BITS: dict[int, str] = {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-qa", 1: "pq1-qa"}
+BEST_FOR_BITS: dict[int, str] = {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-r2-qa", 1: "pq1-qa"}
 
 
 def recipe_for_bits(bits: int) -> Recipe:
@@ -125,7 +137,7 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
     try:
         books = fit_kv_codebooks(k, v, **recipe.budgets(c.head_dim), granularity=granularity,
                                  key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
-                                 key_transform=kt, value_transform=vt)
+                                 key_transform=kt, value_transform=vt, stages=recipe.stages)
         if ft is None:
             return books
         q, q_pos, window = queries

@@ -19,6 +19,7 @@ likely, so positions, heads and layers are sampled uniformly.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -29,6 +30,7 @@ from million_jax.cache.query_stats import QueryStatsCache
 from million_jax.kv_transforms import transform_rows
 from million_jax.pq import Codebooks, check_nbits, check_subspaces, fit_codebooks
 from million_jax.pq_codebooks import GRANULARITIES, PQCodebooks
+from million_jax.residual_pq import check_stage_count, fit_stages
 
 __all__ = ["collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_in_chunks", "DEFAULT_MAX_VECTORS",
            "GROUPS_PER_FIT"]
@@ -94,6 +96,7 @@ def fit_kv_codebooks(
     value_transform: np.ndarray | None = None,
     groups_per_fit: int = GROUPS_PER_FIT,
     progress: Callable[[int, int], None] | None = None,
+    stages: int = 1,
 ) -> PQCodebooks:
     """Fit key and value codebooks from calibration samples.
 
@@ -102,6 +105,9 @@ def fit_kv_codebooks(
     laid out per layer: centroids [L, G, M, K, dsub], G = Hkv or 1. M / nbits are the keys'
     budget, value_M / value_nbits the values' (default: the keys'); transforms see the module
     docstring.
+
+    ``stages`` > 1: residual PQ (:mod:`million_jax.residual_pq`), M sub-vectors per stage,
+    each stage fitted on what the previous ones leave; the result holds S * M codes per vector.
 
     The codebook groups are fitted ``groups_per_fit`` at a time (:func:`fit_in_chunks`);
     ``progress(done, total)`` is called after each such fit (it may raise to stop).
@@ -132,7 +138,8 @@ def fit_kv_codebooks(
     kk, kv = jax.random.split(key)
     rng = np.random.default_rng(int(jax.random.randint(kk, (), 0, 2**31 - 1)))
     n_groups = {"shared": 1, "layer": keys.shape[0], "layer_head": keys.shape[0] * keys.shape[1]}
-    per_set = fits_needed(n_groups[granularity], groups_per_fit)
+    stages = check_stage_count(stages)
+    per_set = stages * fits_needed(n_groups[granularity], groups_per_fit)
     done = [0]
 
     def step() -> None:
@@ -149,9 +156,10 @@ def fit_kv_codebooks(
                 f"calibration gives {pooled.shape[-2]} vectors per {granularity} codebook, fewer than "
                 f"K=2**{nbits}={need}; use more calibration tokens or fewer bits"
             )
-        out.append(fit_in_chunks(pooled, M, nbits, key=sub, groups_per_fit=groups_per_fit,
-                                 progress=step, iters=iters, chunk_size=chunk_size))
-    books = PQCodebooks.from_centroids(out[0].centroids, out[1].centroids, granularity, num_layers=keys.shape[0])
+        fit = functools.partial(fit_in_chunks, groups_per_fit=groups_per_fit, progress=step)
+        out.append(fit_stages(pooled, M, nbits, stages, key=sub, fit=fit, iters=iters, chunk_size=chunk_size))
+    books = PQCodebooks.from_centroids(out[0].centroids, out[1].centroids, granularity, num_layers=keys.shape[0],
+                                       stages=stages)
     return books.with_transforms(key_transform, value_transform)
 
 

@@ -472,6 +472,9 @@ def finetune_codebooks(books: PQCodebooks, q, k, v, q_pos, *, window: int,
     Returns (the tuned PQCodebooks, transforms unchanged; one LayerFinetune per layer).
     ``progress(done, total)`` runs after each layer (it may raise to stop).
     """
+    if books.stages > 1:
+        raise ValueError(f"codebook fine-tuning takes single-stage codebooks; these have {books.stages} "
+                         "residual stages")
     _check_model_data(books, q, k, v)
     settings = settings.check()
     kc, vc, reports = [], [], []

@@ -3,7 +3,8 @@
 ``save_kv_codebooks`` / ``load_kv_codebooks`` do this for a model's ``PQCodebooks`` (key and
 value, in their fitted form, each with its own M / nbits, the granularity in the metadata, and
 the optional key / value transforms float32[L, Gt, d, d] as extra tensors ``key_transform`` /
-``value_transform``; their inverses are recomputed on load).
+``value_transform``; their inverses are recomputed on load; residual codebooks record their
+``stages`` in the metadata, 1 when absent).
 
 File layout: one tensor per named codebook set (e.g. ``"key"`` and ``"value"``),
 each float32[*G, M, K, dsub]; the safetensors header metadata holds one entry
@@ -188,7 +189,7 @@ def save_kv_codebooks(path: str | os.PathLike, books: PQCodebooks,
     """Write a model's key/value codebooks in their fitted form, granularity recorded."""
     key, value = books.compact()
     meta = dict(metadata or {})
-    meta.update(granularity=books.granularity, n_layers=books.num_layers)
+    meta.update(granularity=books.granularity, n_layers=books.num_layers, stages=books.stages)
     extras = {name: np.asarray(getattr(books, name)) for name in _KV_EXTRAS if getattr(books, name) is not None}
     save_codebooks(path, {"key": key, "value": value}, meta, extras, atomic=atomic)
 
@@ -206,7 +207,8 @@ def load_kv_codebooks(path: str | os.PathLike, expect: Mapping[str, Any] | None 
         raise CodebookFileError(f"{os.fspath(path)}: unknown extra tensors {sorted(set(extras) - set(_KV_EXTRAS))}")
     try:
         books = PQCodebooks.from_centroids(tensors["key"].centroids, tensors["value"].centroids,
-                                           meta.get("granularity"), num_layers=meta.get("n_layers"))
+                                           meta.get("granularity"), num_layers=meta.get("n_layers"),
+                                           stages=meta.get("stages", 1))
         books = books.with_transforms(extras.get("key_transform"), extras.get("value_transform"))
     except ValueError as e:
         raise CodebookFileError(f"{os.fspath(path)}: {e}") from None

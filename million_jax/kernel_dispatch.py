@@ -91,9 +91,9 @@ def _spec(*axes: tuple[str, ...]) -> PartitionSpec:
     return PartitionSpec(*(a if a else None for a in axes))
 
 
-def _kernel(q, k_codes, v_codes, k_books, v_books, lo, hi, mesh: KernelMesh | None):
+def _kernel(q, k_codes, v_codes, k_books, v_books, lo, hi, mesh: KernelMesh | None, scale: float | None):
     """(out f32[B, H, d], lse f32[B, H]) of the kernel, per shard when ``mesh`` is given."""
-    run = functools.partial(pq_decode_attention, interpret=not _on_gpu())
+    run = functools.partial(pq_decode_attention, interpret=not _on_gpu(), scale=scale)
     if mesh is None:
         return run(q, k_codes, v_codes, k_books, v_books, lo, hi)
     b, h = mesh.batch_axes, mesh.kv_axes
@@ -119,17 +119,19 @@ def pq_code_attention(
     *,
     impl: str = "auto",
     mesh: KernelMesh | None = None,
+    scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of q float[B, T, H, d] over codes uint[B, Hkv, N, M] for lo <= s < hi.
 
     k_codes / v_codes: arrays or :class:`~million_jax.layer_slice.LayerSlice` views of a
     stacked cache (the xla path reads its tiles in place; the kernel gets the layer as an array).
     k_books / v_books: float[G, M, K, dsub], G in {1, Hkv}; lo, hi: int32[B, T].
+    scale: score scale (default 1 / sqrt(d)).
     Returns (out f32[B, T, H, d], lse f32[B, T, H]), 0 / -inf for a query that sees nothing.
     """
     if use_kernel(impl, q, k_codes, v_codes, k_books, v_books, lo, hi):
         k_codes, v_codes = as_array(k_codes), as_array(v_codes)
         out, lse = _kernel(q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0],
-                           jnp.maximum(hi[:, 0], lo[:, 0]), mesh)
+                           jnp.maximum(hi[:, 0], lo[:, 0]), mesh, scale)
         return out[:, None], lse[:, None]
-    return pq_attention(q, k_codes, v_codes, k_books, v_books, lo, hi)
+    return pq_attention(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale)

@@ -18,6 +18,10 @@ per-layer transforms (:mod:`million_jax.kv_transforms`), float32[L, Gt, d, d], G
     value_transform   B: values are encoded as B v; output_transform = B^-1 maps the output
 
 Build them with :meth:`PQCodebooks.with_transforms` (the inverses are computed there, once).
+
+``stages`` > 1: residual PQ (:mod:`million_jax.residual_pq`); the S stages of keys (and of
+values) are stored as one codebook of S * M sub-spaces, float32[L, G, S * M, K, d / M], and
+``key_M`` / ``value_M`` count the codes of all stages (what the cache stores per token).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import numpy as np
 
 from million_jax.kv_transforms import check_transform, inverse, inverse_transpose
 from million_jax.pq import Codebooks
+from million_jax.residual_pq import check_stages
 
 __all__ = ["PQCodebooks", "GRANULARITIES"]
 
@@ -60,11 +65,12 @@ _TRANSFORMS = ("key_transform", "query_transform", "value_transform", "output_tr
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value", *_TRANSFORMS],
-                   meta_fields=["granularity"])
+                   meta_fields=["granularity", "stages"])
 @dataclasses.dataclass(frozen=True)
 class PQCodebooks:
-    """key / value: Codebooks with centroids float32[L, G, M, K, dsub] ([G, M, K, dsub] per layer);
-    the four transforms None or float32[L, Gt, d, d] ([Gt, d, d] per layer)."""
+    """key / value: Codebooks with centroids float32[L, G, S * M, K, dsub] ([G, S * M, K, dsub] per
+    layer, S = ``stages``, 1 for plain PQ); the four transforms None or float32[L, Gt, d, d]
+    ([Gt, d, d] per layer)."""
 
     key: Codebooks
     value: Codebooks
@@ -73,12 +79,15 @@ class PQCodebooks:
     query_transform: jax.Array | None = None
     value_transform: jax.Array | None = None
     output_transform: jax.Array | None = None
+    stages: int = 1
 
     @classmethod
-    def from_centroids(cls, key, value, granularity: str = "layer_head", num_layers: int | None = None) -> "PQCodebooks":
+    def from_centroids(cls, key, value, granularity: str = "layer_head", num_layers: int | None = None,
+                       stages: int = 1) -> "PQCodebooks":
         """Codebooks in their fitted form (see the module docstring) -> the per-layer form.
 
-        ``num_layers`` is required for ``shared`` codebooks and checked for the others.
+        ``num_layers`` is required for ``shared`` codebooks and checked for the others;
+        ``stages``: residual stages stacked along M (both key and value M must split into them).
         """
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -87,7 +96,12 @@ class PQCodebooks:
         if k.shape[:2] != v.shape[:2] or k.shape[2] * k.shape[4] != v.shape[2] * v.shape[4]:
             raise ValueError(f"key and value codebooks do not fit one model: {k.shape} vs {v.shape} "
                              "([L, G, M, K, dsub] with the same L, G and M * dsub)")
-        books = cls(Codebooks(k), Codebooks(v), granularity)
+        for name, c in (("key", k), ("value", v)):
+            try:
+                check_stages(c.shape[2], stages)
+            except ValueError as e:
+                raise ValueError(f"{name} codebooks: {e}") from None
+        books = cls(Codebooks(k), Codebooks(v), granularity, stages=int(stages))
         books.key.validate()
         books.value.validate()
         return books
@@ -161,11 +175,13 @@ class PQCodebooks:
             name += " qa"
         if self.value_transform is not None:
             name += " ow"
+        if self.stages > 1:
+            name += f" r{self.stages}"
         return name
 
     @property
     def head_dim(self) -> int:
-        return self.key.dim
+        return self.key.dim // self.stages
 
     @property
     def num_layers(self) -> int:

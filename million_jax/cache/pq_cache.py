@@ -18,7 +18,10 @@ q . k is a LUT sum.
 Key / value transforms of the codebooks (query-aware keys, output-aware values;
 :mod:`million_jax.kv_transforms`) are applied here and only here: new keys / values are
 mapped before encoding, the query before the code attention and the code attention's output
-after it, so the attention paths and the kernel see plain PQ.
+after it, so the attention paths and the kernel see plain PQ. Residual codebooks
+(``PQCodebooks.stages`` > 1, :mod:`million_jax.residual_pq`) are handled here too: the stages'
+codes sit side by side in k_codes / v_codes, the query is tiled over the stages and the output
+folded back, so the attention paths again see plain PQ.
 
 Each appended token is encoded once (constant cost per step, no flush spikes). Attention
 (see :mod:`million_jax.cache.window`) reads sinks and the sliding window of the last W
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -49,8 +53,9 @@ from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_w
 from million_jax.code_packing import is_packed, pack_codes, stored_width
 from million_jax.kernel_dispatch import KernelMesh, check_impl, pq_code_attention
 from million_jax.kv_transforms import apply_head_transform
-from million_jax.pq import Codebooks, code_dtype, encode
+from million_jax.pq import Codebooks, code_dtype
 from million_jax.pq_codebooks import PQCodebooks
+from million_jax.residual_pq import check_stages, encode_stages, fold_output, tile_query
 from pallas_kernels.pq_math import gather_centroids
 from pallas_kernels.softmax import merge_partials
 
@@ -77,9 +82,9 @@ class PQLayer(ExactWindowLayer):
     quantize_all: bool = False
     impl: str = "auto"
     mesh: KernelMesh | None = None
-    # (key M, key nbits, value M, value nbits) the codes were made for (None: not recorded);
-    # a packed width alone cannot tell 4 x 3-bit codes from 2 x 5-bit ones
-    budgets: tuple[int, int, int, int] | None = None
+    # (key M, key nbits, value M, value nbits, residual stages) the codes were made for (None:
+    # not recorded); a packed width alone cannot tell 4 x 3-bit codes from 2 x 5-bit ones
+    budgets: tuple[int, int, int, int, int] | None = None
 
     def attend(self, consts: PQCodebooks, q, k, v, lengths, n_new) -> tuple[jax.Array, Writes]:
         """q float[B, T, H, d] over the stored tokens and the new k, v (float[B, T, Hkv, d]).
@@ -92,19 +97,22 @@ class PQLayer(ExactWindowLayer):
         kcb, vcb = consts.key.centroids, consts.value.centroids
         b, t = q.shape[:2]
         t_max = self.max_len
+        stages, scale = consts.stages, 1.0 / math.sqrt(q.shape[-1])
         # Tokens that would land past T_max are dropped everywhere (codes, ring, sinks).
         n_new = kept_tokens(lengths, n_new, t_max)
         pos, rows = token_rows(lengths, n_new, t, t_max)
-        new_kc = _encode(consts.key, k, consts.key_transform)  # [B, Hkv, T, Mk]
-        new_vc = _encode(consts.value, v, consts.value_transform)
+        new_kc = _encode(consts.key, k, consts.key_transform, stages)  # [B, Hkv, T, Mk]
+        new_vc = _encode(consts.value, v, consts.value_transform, stages)
         lo, hi = self.code_region(pos, lengths + n_new)
         qc = q if consts.query_transform is None else apply_head_transform(q, consts.query_transform)
+        qc = tile_query(qc, stages)  # residual codes read as plain PQ (million_jax.residual_pq)
         stored = pq_code_attention(qc, self.k_codes, self.v_codes, kcb, vcb, lo, jnp.minimum(hi, lengths[:, None]),
-                                   impl=self.impl, mesh=self.mesh)
+                                   impl=self.impl, mesh=self.mesh, scale=scale)
         fresh = tiled_dense_attention(qc, gather_centroids(kcb, new_kc), gather_centroids(vcb, new_vc),
                                       jnp.maximum(lo - lengths[:, None], 0), jnp.clip(hi - lengths[:, None], 0, t),
-                                      return_lse=True)
+                                      scale=scale, return_lse=True)
         out, lse = merge_partials(*zip(stored, fresh))
+        out = fold_output(out, stages)
         if consts.output_transform is not None:
             out = apply_head_transform(out, consts.output_transform)
         if self.has_exact:
@@ -116,11 +124,11 @@ class PQLayer(ExactWindowLayer):
         return out.astype(q.dtype), writes
 
 
-def _encode(books: Codebooks, x: jax.Array, transform: jax.Array | None) -> jax.Array:
-    """x float[B, T, Hkv, d] -> codes [B, Hkv, T, M] (transformed first)."""
+def _encode(books: Codebooks, x: jax.Array, transform: jax.Array | None, stages: int) -> jax.Array:
+    """x float[B, T, Hkv, d] -> codes [B, Hkv, T, M] (transformed first; M counts all stages)."""
     if transform is not None:
         x = apply_head_transform(x, transform)
-    return encode(Codebooks(books.centroids), jnp.swapaxes(x, 1, 2))
+    return encode_stages(Codebooks(books.centroids), jnp.swapaxes(x, 1, 2), stages)
 
 
 def _stored_codes(codes: jax.Array, books: Codebooks, width: int) -> jax.Array:
@@ -141,10 +149,12 @@ class PQCache(ExactWindowCache):
     def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, *,
                M: int, nbits: int, window: int = 0, sinks: int = 0, dtype: Any = jnp.bfloat16,
                quantize_all: bool = False, impl: str = "auto", value_M: int | None = None,
-               value_nbits: int | None = None, pack: bool | None = None) -> "PQCache":
+               value_nbits: int | None = None, pack: bool | None = None, stages: int = 1) -> "PQCache":
         """An empty cache; ``window`` (W) and ``sinks`` (S) may be 0.
 
         M / nbits are the keys' budget; value_M / value_nbits the values' (default: the keys').
+        ``stages`` > 1: residual codebooks (:mod:`million_jax.residual_pq`); M and value_M
+        then count the codes of all stages (M / stages sub-vectors per stage).
         ``pack``: codes of nbits < 8 stored packed at their real width (else one per byte).
         Default: packed, except with ``impl="pallas"`` (the kernel reads one code per byte).
         """
@@ -158,8 +168,10 @@ class PQCache(ExactWindowCache):
         value_M = M if value_M is None else value_M
         value_nbits = nbits if value_nbits is None else value_nbits
         for name, m in (("M", M), ("value_M", value_M)):
-            if head_dim % m:
-                raise ValueError(f"head_dim {head_dim} is not divisible by {name}={m}")
+            per_stage = check_stages(m, stages)
+            if head_dim % per_stage:
+                raise ValueError(f"head_dim {head_dim} is not divisible by {name}={m}"
+                                 + (f" / stages={stages}" if stages > 1 else ""))
         check_impl(impl)
         lead = (num_layers, batch, num_kv_heads, max_len)
 
@@ -169,7 +181,7 @@ class PQCache(ExactWindowCache):
 
         # distinct buffers for every field: a donated pytree must not hold one buffer twice
         layers = PQLayer(k_codes=codes(M, nbits), v_codes=codes(value_M, value_nbits), quantize_all=quantize_all,
-                         impl=impl, budgets=(M, nbits, value_M, value_nbits), **empty_window((num_layers, batch, num_kv_heads), sinks, window, head_dim, dtype))
+                         impl=impl, budgets=(M, nbits, value_M, value_nbits, stages), **empty_window((num_layers, batch, num_kv_heads), sinks, window, head_dim, dtype))
         return cls(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
 
     @classmethod
@@ -178,7 +190,7 @@ class PQCache(ExactWindowCache):
         codebooks.check(codebooks.num_layers, num_kv_heads, codebooks.head_dim)
         return cls.create(codebooks.num_layers, batch, num_kv_heads, max_len, codebooks.head_dim,
                           M=codebooks.key_M, nbits=codebooks.key_nbits, value_M=codebooks.value_M,
-                          value_nbits=codebooks.value_nbits, **kw)
+                          value_nbits=codebooks.value_nbits, stages=codebooks.stages, **kw)
 
     def layer_consts(self, cache_consts: PQCodebooks | None = None) -> PQCodebooks:
         """The codebooks, checked against this cache (they are scanned with the layers)."""
@@ -186,9 +198,10 @@ class PQCache(ExactWindowCache):
             raise ValueError("PQCache needs its PQCodebooks passed as cache_consts")
         L, _, hkv = self.layers.k_codes.shape[:3]
         cache_consts.check(L, hkv, self.head_dim)
-        books = (cache_consts.key_M, cache_consts.key_nbits, cache_consts.value_M, cache_consts.value_nbits)
+        books = (cache_consts.key_M, cache_consts.key_nbits, cache_consts.value_M, cache_consts.value_nbits,
+                 cache_consts.stages)
         if self.layers.budgets is not None and tuple(self.layers.budgets) != books:
-            raise ValueError(f"codebooks (key M, nbits, value M, nbits = {books}) do not match the cache "
+            raise ValueError(f"codebooks (key M, nbits, value M, nbits, stages = {books}) do not match the cache "
                              f"({tuple(self.layers.budgets)})")
         for name, books, codes in (("key", cache_consts.key, self.layers.k_codes),
                                    ("value", cache_consts.value, self.layers.v_codes)):

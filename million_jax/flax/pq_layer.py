@@ -59,6 +59,13 @@ def select_layer(books: PQCodebooks, layer: int) -> tuple[jax.Array, jax.Array]:
         raise ValueError(f"expected PQCodebooks (million_jax.fit_kv_codebooks / load_kv_codebooks), got {type(books)}")
     if not 0 <= layer < books.num_layers:
         raise ValueError(f"layer {layer} is out of range: the codebooks are for {books.num_layers} layers")
+    extras = [name for name in ("key_transform", "value_transform") if getattr(books, name) is not None]
+    if books.stages > 1:
+        extras.append(f"{books.stages} residual stages")
+    if extras:
+        # the Flax layers hold bare centroids: dropping these would read the codes wrongly
+        raise ValueError(f"the Flax PQ layers take plain codebooks; these have {', '.join(extras)} "
+                         f"({books.recipe}): use them with the model's PQCache (million_jax.PQCache)")
     return books.key.centroids[layer], books.value.centroids[layer]
 
 

@@ -88,6 +88,15 @@ def test_passkey_command(cli, tiny_dir, codebooks, tmp_path):
         assert len(runs) == 1 and len(runs[0]["trials"]) == 2
         assert runs[0]["accuracy"] == sum(t["correct"] for t in runs[0]["trials"]) / 2
     assert "| 400 |" in res.out
+    # the codebooks were calibrated on 256-token windows: a warning names it, even with --quiet
+    assert "warning: the codebooks" in res.err and "windows of 256 tokens" in res.err and "--window 400" in res.err
+
+
+def test_no_calibration_warning_within_the_window(cli, tiny_dir, codebooks):
+    res = cli("passkey", "--model", tiny_dir, "--lengths", "200", "--trials", 1, "--cache", "pq",
+              "--codebooks", codebooks, "--quiet")
+    assert res.rc == 0, res.err
+    assert "warning" not in res.err
 
 
 def test_demo_on_tiny_model(cli, tiny_dir, tmp_path, monkeypatch):

@@ -26,7 +26,9 @@ def test_calibrate_bits_writes_the_recipe(cli, tiny_dir, tiny, tmp_path):
     d = tiny.config.head_dim
     assert meta["recipe"] == recipe.name and meta["bits_per_elem"] == recipe.bits_per_elem == 2.0
     assert (meta["key_M"], meta["key_nbits"], meta["value_M"], meta["value_nbits"]) == (
-        d // recipe.key_dsub, recipe.key_nbits, d // recipe.value_dsub, recipe.value_nbits)
+        recipe.stages * d // recipe.key_dsub, recipe.key_nbits, recipe.stages * d // recipe.value_dsub,
+        recipe.value_nbits)
+    assert meta["stages"] == recipe.stages
     assert meta["query_aware_keys"] == recipe.query_aware
     books, _ = load_model_codebooks(str(path), tiny)
     if recipe.query_aware:
@@ -38,3 +40,44 @@ def test_bits_excludes_m_and_nbits(cli, tiny_dir, tmp_path):
     err = one_error_line(cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--bits", "4",
                              "--nbits", "6", "--out", tmp_path / "x.safetensors", "--quiet"))
     assert "--bits" in err
+
+
+def test_default_calibration_windows(cli, tiny_dir, tiny, tmp_path):
+    """Without --window half the tokens go to 512-token windows (sequence starts) and half to
+    windows as long as the model's context (capped); the file records the longest."""
+    ctx = tiny.config.max_position_embeddings
+    path = tmp_path / "default.safetensors"
+    res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", 4 * ctx, "--nbits", "4",
+              "--iters", "1", "--out", path)
+    assert res.rc == 0, res.err
+    _, meta = load_codebooks(path)
+    want = [min(512, ctx), ctx] if ctx > 512 else [ctx]
+    assert meta["calib_windows"] == want and meta["calib_window"] == ctx
+    assert meta["calib_tokens"] == 4 * ctx
+    assert "calibration windows of " + " and ".join(map(str, want)) + " tokens" in res.err
+
+
+def test_calibration_on_several_window_lengths(cli, tiny_dir, tiny, tmp_path):
+    from million_app.calibrate import calibration_kvq
+    from million_app.loading import tokenize
+    from million_app.corpus import read_text
+
+    ids = tokenize(tiny, read_text("builtin:calib"))
+    k, v, gram, count, used = calibration_kvq(tiny, ids, tokens=500, window=(64, 100))
+    # 250 tokens each: 3 windows of 64 (192 tokens) and 2 windows of 100 (200 tokens)
+    assert used == 392 and k.shape[2] == v.shape[2] == 392
+    k1, _, g1, c1, _ = calibration_kvq(tiny, ids[:250], tokens=250, window=64)
+    k2, _, g2, c2, _ = calibration_kvq(tiny, ids[250:500], tokens=250, window=100)
+    np.testing.assert_array_equal(k, np.concatenate([k1, k2], axis=2))
+    np.testing.assert_allclose(gram, g1 + g2)
+    np.testing.assert_array_equal(count, c1 + c2)
+    path = tmp_path / "two.safetensors"
+    res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", 1024, "--window", "128,256",
+              "--nbits", "4", "--iters", "1", "--out", path, "--quiet")
+    assert res.rc == 0, res.err
+    _, meta = load_codebooks(path)
+    assert meta["calib_windows"] == [128, 256] and meta["calib_window"] == 256 and meta["calib_tokens"] == 1024
+    for bad in ("128,x", "0", "128,1"):
+        err = one_error_line(cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--window", bad,
+                                 "--out", tmp_path / "bad.safetensors", "--quiet"))
+        assert "--window" in err
