@@ -92,11 +92,15 @@ def test_passkey_command(cli, tiny_dir, codebooks, tmp_path):
     assert "warning: the codebooks" in res.err and "windows of 256 tokens" in res.err and "--window 400" in res.err
 
 
-def test_no_calibration_warning_within_the_window(cli, tiny_dir, codebooks):
-    res = cli("passkey", "--model", tiny_dir, "--lengths", "200", "--trials", 1, "--cache", "pq",
-              "--codebooks", codebooks, "--quiet")
-    assert res.rc == 0, res.err
-    assert "warning" not in res.err
+def test_calibration_warning_only_past_the_window(cli, tiny_dir, codebooks):
+    base = ("eval", "--model", tiny_dir, "--text", "builtin:eval", "--max-tokens", 300, "--cache", "pq",
+            "--codebooks", codebooks, "--quiet")
+    within = cli(*base, "--window", 256)
+    assert within.rc == 0, within.err
+    assert "warning" not in within.err
+    past = cli(*base, "--window", 300)
+    assert past.rc == 0, past.err
+    assert "warning: the codebooks" in past.err and "windows of 256 tokens" in past.err
 
 
 def test_demo_on_tiny_model(cli, tiny_dir, tmp_path, monkeypatch):
