@@ -123,7 +123,10 @@ def test_ctrl_c_during_kmeans_stops_cleanly(tiny_dir, tmp_path):
         [sys.executable, "-m", "million_app", "calibrate", "--model", tiny_dir,
          "--text", "builtin:calib", "--tokens", "4096", "--window", "256", "--nbits", "8",
          "--iters", "100000", "--out", str(out), "--force"],
-        stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        # a test run started in the background (``cmd &`` without job control) has SIGINT
+        # ignored, and a child inherits that: give it the disposition of a terminal session
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     deadline = time.monotonic() + 240
     for line in proc.stderr:                  # wait until the k-means has started
@@ -173,13 +176,19 @@ def test_ctrl_c_returns_while_the_work_is_stuck_in_c(cli, monkeypatch):
         return 0
 
     monkeypatch.setattr(commands, "cmd_eval", stuck_command)
-    threading.Thread(target=owner, daemon=True).start()
-    held.wait(10)
-    main_id = threading.main_thread().ident
-    threading.Timer(0.5, lambda: signal.pthread_kill(main_id, signal.SIGINT)).start()
-    res = cli("eval", "--model", "x", "--text", "y")
-    returned_before_release = not release.is_set()
-    release.set()
+    # Python's own Ctrl-C handler, even when this test run was started with SIGINT ignored
+    # (``cmd &`` without job control); restored afterwards
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=owner, daemon=True).start()
+        held.wait(10)
+        main_id = threading.main_thread().ident
+        threading.Timer(0.5, lambda: signal.pthread_kill(main_id, signal.SIGINT)).start()
+        res = cli("eval", "--model", "x", "--text", "y")
+        returned_before_release = not release.is_set()
+        release.set()
+    finally:
+        signal.signal(signal.SIGINT, old)
     assert finished.wait(30)
     assert res.rc == 130 and "interrupted" in res.err
     assert returned_before_release
