@@ -62,9 +62,9 @@ def main() -> None:
         res["rows"].append({"recipe": "dense", **{k: r[k] for k in ("ppl", "bits_per_elem", "storage_bits_per_elem")},
                             "eval_seconds": r["seconds"]})
         save()
-    calib_window = parse_windows(a.calib_window, "--calib-window") if a.calib_window else a.window
+    calib_windows = parse_windows(a.calib_window or a.window, "--calib-window")
     t0 = time.perf_counter()
-    k, v, gram, count, used = calibration_kvq(model, calib_ids, tokens=a.calib_tokens, window=calib_window,
+    k, v, gram, count, used = calibration_kvq(model, calib_ids, tokens=a.calib_tokens, window=calib_windows,
                                               batch=a.batch)
     res["calib_seconds"] = time.perf_counter() - t0
     res["calib_tokens_used"] = used
@@ -75,10 +75,9 @@ def main() -> None:
         fit_s = time.perf_counter() - t0
         if a.save_books:
             os.makedirs(a.save_books, exist_ok=True)
-            windows = parse_windows(calib_window)
             save_model_codebooks(os.path.join(a.save_books, f"{name}.safetensors"), books, codebook_metadata(
-                model, books, calib_text=a.calib, calib_tokens=used, calib_window=max(windows),
-                calib_windows=list(windows), seed=a.seed, iters=a.iters, max_vectors=a.max_vectors, recipe=name),
+                model, books, calib_text=a.calib, calib_tokens=used, calib_window=max(calib_windows),
+                calib_windows=list(calib_windows), seed=a.seed, iters=a.iters, max_vectors=a.max_vectors, recipe=name),
                 flag="--save-books")
         for protocol in protocols:
             r = evaluate(model, eval_ids, CacheChoice(kind="pq", codebooks=books, **settings[protocol]), **ev)

@@ -45,11 +45,11 @@ def default_calibration_windows(model: LoadedModel, tokens: int) -> tuple[int, .
     """The default calibration windows for ``tokens`` calibration tokens on hand:
     (512, the model's context capped at CALIBRATION_WINDOW_CAP and at tokens / 2), or one
     window length when the long one is not longer than 512."""
-    long = max(2, min(model.config.max_position_embeddings, CALIBRATION_WINDOW_CAP, tokens // 2))
-    short = min(SHORT_CALIBRATION_WINDOW, long)
-    if long <= short:
-        return (max(2, min(model.config.max_position_embeddings, CALIBRATION_WINDOW_CAP, tokens)),)
-    return (short, long)
+    context = min(model.config.max_position_embeddings, CALIBRATION_WINDOW_CAP)
+    long = max(2, min(context, tokens // 2))
+    if long <= SHORT_CALIBRATION_WINDOW:
+        return (max(2, min(context, tokens)),)
+    return (SHORT_CALIBRATION_WINDOW, long)
 
 
 def parse_windows(spec: str | int | Sequence[int], flag: str = "--window") -> tuple[int, ...]:

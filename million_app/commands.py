@@ -47,17 +47,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         windows = default_calibration_windows(model, min(args.tokens, len(ids)))
         progress.status(f"calibration windows of {' and '.join(map(str, windows))} tokens (the codebooks serve "
                         f"positions up to {max(windows)})")
-    window = windows if len(windows) > 1 else windows[0]
     queries = None
     if recipe is not None and recipe.finetune is not None:
         if len(windows) > 1:
             raise UsageError(f"recipe {recipe.name} fine-tunes on one window length: give one --window")
         k, v, gram, count, q, q_pos, used = calibration_kvq_samples(model, ids, tokens=args.tokens,
-                                                                    window=window, batch=args.batch,
+                                                                    window=windows[0], batch=args.batch,
                                                                     seed=args.seed)
-        queries = (q, q_pos, window)
+        queries = (q, q_pos, windows[0])
     else:
-        k, v, gram, count, used = calibration_kvq(model, ids, tokens=args.tokens, window=window,
+        k, v, gram, count, used = calibration_kvq(model, ids, tokens=args.tokens, window=windows,
                                                   batch=args.batch)
     if recipe is None:
         progress.status("k-means: " + kmeans_problem_summary(k.shape, M, nbits, args.granularity,

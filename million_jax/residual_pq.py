@@ -61,19 +61,16 @@ def encode_stages(codebooks: Codebooks, x: jax.Array, stages: int) -> jax.Array:
         return encode(codebooks, x)
     residual = jnp.asarray(x, jnp.float32)
     codes = []
-    for books in stage_codebooks(codebooks, stages):
-        c = encode(books, residual)
-        residual = residual - gather_centroids(books.centroids, c)
-        codes.append(c)
+    for s, books in enumerate(stage_codebooks(codebooks, stages)):
+        codes.append(encode(books, residual))
+        if s + 1 < stages:  # the last stage's residual is not needed
+            residual = residual - gather_centroids(books.centroids, codes[-1])
     return jnp.concatenate(codes, axis=-1)
 
 
 def decode_stages(codebooks: Codebooks, codes: jax.Array, stages: int) -> jax.Array:
     """codes [*G', N, S * M] -> float32[*broadcast(G', G), N, d]: the sum of the stages."""
-    full = gather_centroids(codebooks.centroids, codes)  # [..., N, S * d]
-    if stages == 1:
-        return full
-    return full.reshape(full.shape[:-1] + (stages, full.shape[-1] // stages)).sum(-2)
+    return fold_output(gather_centroids(codebooks.centroids, codes), stages)  # [..., N, S * d] -> d
 
 
 def tile_query(q: jax.Array, stages: int) -> jax.Array:
