@@ -10,7 +10,7 @@ accounting every command reports:
                            codebooks are counted separately);
                            uniform: codes + scales + zeros (``UniformCache.bits_per_element``)
     storage_bits_per_elem  from the bytes the code arrays really hold (codes of nbits < 8 are
-                           packed; 9..12-bit codes sit in uint16)
+                           packed at their real width, 9..12-bit codes too)
     cache_bytes            ``cache.nbytes()`` of an empty cache of the shape (the whole
                            state: codes, exact ring and sinks, staging buffers, lengths)
     dense_cache_bytes      a DenseCache of the same shape in the requested dtype
@@ -194,7 +194,7 @@ class CacheChoice:
         return float(cache.bits_per_element.mean)
 
     def storage_bits_per_elem(self, head_dim: int) -> float:
-        """Bits per element from the bytes the PQ code arrays hold (packed below 8 bits)."""
+        """Bits per element from the bytes the PQ code arrays hold (codes other than 8-bit packed)."""
         if self.kind == "pq":
             b = self.codebooks
             lay = jax.eval_shape(lambda: PQCache.create(1, 1, 1, 1, head_dim, M=b.key_M, nbits=b.key_nbits,

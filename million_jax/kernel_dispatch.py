@@ -5,9 +5,9 @@
 goes to the fused Pallas decode kernel (:func:`pallas_kernels.pq_decode_attention`) when
 
 * the call is a decode step (one query token per sequence: T == 1), and
-* the kernel supports the shapes and dtypes (uint8 codes, power-of-two d / M / dsub, ...;
-  :func:`pallas_kernels.pq_kernel_unsupported_reason`; not: codes packed below 8 bits, or
-  keys and values with different M: :func:`dispatch_blocker`), and
+* the kernel supports the shapes and dtypes (uint8 codes, one per byte or packed at their
+  real width; power-of-two d / M / dsub, ...: :func:`pallas_kernels.pq_kernel_unsupported_reason`;
+  not: keys and values with different M, :func:`dispatch_blocker`), and
 * ``impl == "pallas"`` (interpret mode off GPU: tests), or ``impl == "auto"`` on a GPU;
 
 and otherwise to the pure-jnp tiled path (:func:`million_jax.pq_attention.pq_attention`).
@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from million_jax.code_packing import is_packed
 from million_jax.layer_slice import ArrayOrSlice, as_array
 from million_jax.pq_attention import pq_attention
 from pallas_kernels import pq_decode_attention, pq_kernel_unsupported_reason
@@ -61,14 +60,9 @@ def _on_gpu() -> bool:
 def dispatch_blocker(k_codes, v_codes, k_books, v_books) -> str | None:
     """Why the kernel cannot read these codes as stored (None: nothing here stops it).
 
-    The kernel reads one code per uint8/uint16 element and one M for keys and values; packed
-    sub-byte codes and different key / value M take the xla path, which handles both.
+    The kernel reads codes one per byte or packed at their real width, but takes one M for
+    keys and values; different key / value M take the xla path, which handles both.
     """
-    for name, codes, books in (("key", k_codes, k_books), ("value", v_codes, v_books)):
-        nbits = int(books.shape[2]).bit_length() - 1
-        if is_packed(codes.shape[-1], books.shape[1], nbits):
-            return (f"{name} codes are packed at {nbits} bits ({codes.shape[-1]} bytes for M={books.shape[1]}); "
-                    "the kernel reads one code per byte: use the xla path or PQCache.create(pack=False)")
     if k_books.shape[1] != v_books.shape[1]:
         return (f"keys and values have different M ({k_books.shape[1]} vs {v_books.shape[1]}); the kernel "
                 "takes one M for both")

@@ -14,7 +14,7 @@ way a matmul unit likes. The LUT / gather math is :mod:`pallas_kernels.pq_math`.
 Shapes (one layer):
     q:            float[B, T, H, d]
     k_codes:      uint8|uint16[B, Hkv, N, Mk], or packed uint8[B, Hkv, N, ceil(Mk * nbits / 8)]
-                  (:mod:`million_jax.code_packing`; unpacked here one tile at a time)
+                  (:mod:`pallas_kernels.code_packing`; unpacked here one tile at a time)
     v_codes:      alike with Mv (keys and values may have different M and nbits)
     k_centroids:  float[G, Mk, Kk, d / Mk], G in {1, Hkv}   (v_centroids: [G, Mv, Kv, d / Mv])
     lo, hi:       int32[B, T]   query t of sequence b sees tokens lo <= s < hi
@@ -27,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from million_jax.code_packing import is_packed, maybe_unpack
+from pallas_kernels.code_packing import codebook_nbits, is_packed, maybe_unpack
 from million_jax.tiling import tiled_attention
 from pallas_kernels.pq_math import build_lut, gather_centroids, lut_scores
 from pallas_kernels.softmax import einsum_f32, group_heads
@@ -56,7 +56,7 @@ def pq_attention(
     hkv = k_codes.shape[1]
     for name, codes, cb in (("key", k_codes, k_centroids), ("value", v_codes, v_centroids)):
         g, m_cb, kc, dsub = cb.shape
-        nbits = int(kc).bit_length() - 1
+        nbits = codebook_nbits(kc)
         try:
             is_packed(codes.shape[-1], m_cb, nbits)
         except ValueError as e:
@@ -67,8 +67,8 @@ def pq_attention(
     if v_codes.shape[:3] != k_codes.shape[:3]:
         raise ValueError(f"key codes {k_codes.shape} and value codes {v_codes.shape} differ in [B, Hkv, N]")
     n = k_codes.shape[2]
-    unpack_k = lambda c: maybe_unpack(c, k_centroids.shape[1], int(k_centroids.shape[2]).bit_length() - 1)  # noqa: E731
-    unpack_v = lambda c: maybe_unpack(c, v_centroids.shape[1], int(v_centroids.shape[2]).bit_length() - 1)  # noqa: E731
+    unpack_k = lambda c: maybe_unpack(c, k_centroids.shape[1], codebook_nbits(k_centroids.shape[2]))  # noqa: E731
+    unpack_v = lambda c: maybe_unpack(c, v_centroids.shape[1], codebook_nbits(v_centroids.shape[2]))  # noqa: E731
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = group_heads(q.astype(jnp.float32), hkv)  # [B, Hkv, G, T, d]
     grp = h // hkv

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.code_packing import pack_codes, unpack_codes
+
 __all__ = [
     "BITS",
     "MODES",
@@ -126,18 +128,15 @@ def bits_per_element(mode: str, bits: int, group_size: int, head_dim: int, dtype
 
 # ------------------------------------------------------------------ packing
 def pack(codes: jax.Array, bits: int) -> jax.Array:
-    """uint8[..., d] codes < 2**bits -> uint8[..., d*bits/8] (see module docstring)."""
+    """uint8[..., d] codes < 2**bits -> uint8[..., d*bits/8] (the PQ codes' bit layout,
+    :mod:`pallas_kernels.code_packing`; 8-bit codes as they are)."""
     _check_bits(bits)
     codes = jnp.asarray(codes).astype(jnp.uint8)
     if bits == 8:
         return codes
-    per = 8 // bits
-    d = codes.shape[-1]
-    if d % per:
-        raise ValueError(f"last axis {d} is not a multiple of {per} ({bits}-bit codes per byte)")
-    c = codes.reshape(codes.shape[:-1] + (d // per, per)).astype(jnp.uint32)
-    shifts = jnp.arange(per, dtype=jnp.uint32) * bits
-    return jnp.sum(c << shifts, axis=-1).astype(jnp.uint8)
+    if (codes.shape[-1] * bits) % 8:
+        raise ValueError(f"last axis {codes.shape[-1]} is not a multiple of {8 // bits} ({bits}-bit codes per byte)")
+    return pack_codes(codes, bits)
 
 
 def unpack(packed: jax.Array, bits: int) -> jax.Array:
@@ -146,10 +145,7 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
     packed = jnp.asarray(packed)
     if bits == 8:
         return packed
-    per = 8 // bits
-    shifts = jnp.arange(per, dtype=jnp.uint8) * bits
-    c = (packed[..., None] >> shifts) & jnp.uint8(qmax(bits))
-    return c.reshape(packed.shape[:-1] + (packed.shape[-1] * per,))
+    return unpack_codes(packed, packed.shape[-1] * 8 // bits, bits)
 
 
 # ------------------------------------------------------------------ quantization

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.code_packing import MAX_PACKED_BITS, codebook_nbits, is_packed, packed_width
+
 __all__ = ["PQDims", "check_pq_inputs", "is_power_of_two"]
 
 _CODE_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16))
@@ -33,6 +35,8 @@ class PQDims:
     v_centroids: int  # K of the value codebook
     k_groups: int  # G of the key codebook (1 = shared by all KV heads, or Hkv)
     v_groups: int  # G of the value codebook
+    k_packed_bits: int = 0  # > 0: key codes packed at that many bits (pallas_kernels.code_packing)
+    v_packed_bits: int = 0  # > 0: value codes packed alike
 
 
 def _shape_dtype(x: object, name: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -47,9 +51,10 @@ def check_pq_inputs(
 ) -> PQDims:
     """Validates the public inputs and returns their sizes; raises ValueError naming the problem.
 
-    Expected: q float[B, H, d]; k_codes, v_codes uint8|uint16[B, Hkv, T, M] (same shape and
-    dtype); k_codebooks, v_codebooks float[G, M, K, dsub] with G in {1, Hkv}, M * dsub = d,
-    K <= 2**(8 * code itemsize); start, end integer[B]; H a multiple of Hkv.
+    Expected: q float[B, H, d]; k_codes, v_codes uint8|uint16[B, Hkv, T, M], or packed
+    uint8[B, Hkv, T, ceil(M * nbits / 8)] (nbits = log2 K of their codebook; keys and values
+    each either way); k_codebooks, v_codebooks float[G, M, K, dsub] with G in {1, Hkv},
+    M * dsub = d (one M for both), K <= 2**(code bits); start, end integer[B]; H a multiple of Hkv.
     """
     q_shape, q_dtype = _shape_dtype(q, "q")
     kc_shape, kc_dtype = _shape_dtype(k_codes, "k_codes")
@@ -67,28 +72,25 @@ def check_pq_inputs(
 
     if len(kc_shape) != 4:
         raise ValueError(f"k_codes must be uint8[B, Hkv, T, M], got shape {kc_shape}")
-    if vc_shape != kc_shape:
-        raise ValueError(f"v_codes shape {vc_shape} must equal k_codes shape {kc_shape}")
+    if len(vc_shape) != 4 or vc_shape[:3] != kc_shape[:3]:
+        raise ValueError(f"v_codes shape {vc_shape} must equal k_codes shape {kc_shape} in [B, Hkv, T]")
     for name, dt in (("k_codes", kc_dtype), ("v_codes", vc_dtype)):
         if dt not in _CODE_DTYPES:
             raise ValueError(f"{name} must be uint8 or uint16 codes, got dtype {dt}")
-    if kc_dtype != vc_dtype:
-        raise ValueError(f"k_codes dtype {kc_dtype} differs from v_codes dtype {vc_dtype}")
-    c_batch, num_kv_heads, seq_len, num_subspaces = kc_shape
+    c_batch, num_kv_heads, seq_len = kc_shape[:3]
     if c_batch != batch:
         raise ValueError(f"codes batch {c_batch} != q batch {batch} (q {q_shape}, codes {kc_shape})")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(
             f"q heads H={num_heads} must be a multiple of the codes' KV heads Hkv={num_kv_heads}"
         )
-    if num_subspaces < 1 or head_dim % num_subspaces:
-        raise ValueError(f"head_dim d={head_dim} must be a multiple of the codes' M={num_subspaces}")
-    sub_dim = head_dim // num_subspaces
 
-    max_k = 1 << (8 * kc_dtype.itemsize)
-    centroids = []
-    groups = []
-    for name, shape, dt in (("k_codebooks", kb_shape, kb_dtype), ("v_codebooks", vb_shape, vb_dtype)):
+    num_subspaces = kb_shape[1] if len(kb_shape) == 4 else -1
+    centroids, groups, packed = [], [], []
+    for name, shape, dt, codes_name, c_shape, c_dtype in (
+        ("k_codebooks", kb_shape, kb_dtype, "k_codes", kc_shape, kc_dtype),
+        ("v_codebooks", vb_shape, vb_dtype, "v_codes", vc_shape, vc_dtype),
+    ):
         if len(shape) != 4:
             raise ValueError(f"{name} must be float[G, M, K, dsub], got shape {shape}")
         if not jnp.issubdtype(dt, jnp.floating):
@@ -96,15 +98,30 @@ def check_pq_inputs(
         g, m, k, ds = shape
         if g not in (1, num_kv_heads):
             raise ValueError(f"{name} G={g} must be 1 (shared) or Hkv={num_kv_heads} (per KV head)")
-        if (m, ds) != (num_subspaces, sub_dim):
+        if m != num_subspaces or m * ds != head_dim:
             raise ValueError(
-                f"{name} shape {shape}: expected M={num_subspaces} and dsub=d/M={sub_dim}"
-                f" (codes M, q head_dim {head_dim})"
+                f"{name} shape {shape}: keys and values need the same M (k_codebooks M={num_subspaces})"
+                f" and M * dsub = q head_dim {head_dim}"
             )
+        nbits = codebook_nbits(k)
+        width = c_shape[3]
+        try:
+            is_packed_codes = is_packed(width, m, nbits)
+        except ValueError:
+            raise ValueError(
+                f"{name} shape {shape} does not fit {codes_name} [..., {width}]: expected M={m} codes per token"
+                + (f" or {packed_width(m, nbits)} bytes of packed {nbits}-bit codes" if nbits != 8 and nbits
+                   <= MAX_PACKED_BITS else "")
+            ) from None
+        if is_packed_codes and c_dtype != np.uint8:
+            raise ValueError(f"packed {codes_name} must be uint8, got dtype {c_dtype}")
+        max_k = 1 << (8 * c_dtype.itemsize) if not is_packed_codes else 1 << nbits
         if not 1 <= k <= max_k:
-            raise ValueError(f"{name} K={k} does not fit {kc_dtype} codes (1 <= K <= {max_k})")
+            raise ValueError(f"{name} K={k} does not fit {c_dtype} codes (1 <= K <= {max_k})")
         centroids.append(k)
         groups.append(g)
+        packed.append(nbits if is_packed_codes else 0)
+    sub_dim = head_dim // num_subspaces
 
     for name, shape, dt in (("start", s_shape, s_dtype), ("end", e_shape, e_dtype)):
         if shape != (batch,):
@@ -125,4 +142,6 @@ def check_pq_inputs(
         v_centroids=centroids[1],
         k_groups=groups[0],
         v_groups=groups[1],
+        k_packed_bits=packed[0],
+        v_packed_bits=packed[1],
     )

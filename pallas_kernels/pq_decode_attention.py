@@ -31,6 +31,10 @@ Kernel design (grid = (B, Hkv, num_splits)):
     `lut_ref[h, m, codes[t, m]]`. Pallas' Triton backend has no scratch memory for a
     per-program LUT, so building it in the kernel would mean a global-memory scratch per
     split; the einsum is the cheap form of the same step.
+  * packed codes (nbits other than 8 stored at their real width, `code_packing`): each
+    code's one to three bytes are read by pointer loads (`codes_ref[rows, byte_m + j]`) and
+    shifted / masked in registers (`code_packing.assemble_codes`, the same arithmetic as the
+    jnp unpack), so the kernel reads exactly the stored bytes and no unpacked copy exists;
   * values: value centroids gathered the same way by the value codes and weighted by the
     probabilities with a [block_h, block_t] x [block_t, d] dot;
   * every program writes a partial (out, lse) for its split (empty split: out 0, lse -inf);
@@ -54,6 +58,7 @@ from jax import lax
 
 from pallas_kernels._compat import pl, plgpu, triton_compiler_params, triton_dot
 from pallas_kernels._pq_inputs import PQDims, check_pq_inputs, is_power_of_two
+from pallas_kernels.code_packing import assemble_codes, code_bytes, unpack_codes
 from pallas_kernels.launch import LaunchConfig, default_launch_config
 from pallas_kernels.pq_math import build_lut, gather_centroids, lut_scores
 from pallas_kernels.softmax import merge_stacked, softmax_attention
@@ -91,8 +96,8 @@ def _pq_attention_kernel(
     start_ref,  # int32[B]
     end_ref,  # int32[B]
     q_ref,  # f32[block_h, d] (pre-scaled)
-    kc_ref,  # uint8[T, M]
-    vc_ref,  # uint8[T, M]
+    kc_ref,  # uint8[T, M], or packed uint8[T, ceil(M * k_packed_bits / 8)]
+    vc_ref,  # alike for values
     ktab_ref,  # centroid: [M, Kk, dsub] key codebook; lut: f32[group, M, Kk]
     vcb_ref,  # [M, Kv, dsub] value codebook
     o_ref,  # f32[block_h, d]
@@ -105,6 +110,8 @@ def _pq_attention_kernel(
     precision: Precision,
     k_centroids: int,
     v_centroids: int,
+    k_packed_bits: int,
+    v_packed_bits: int,
 ) -> None:
     block_h, head_dim = q_ref.shape
     num_sub, _, sub_dim = vcb_ref.shape
@@ -120,11 +127,25 @@ def _pq_attention_kernel(
     m_idx3 = jnp.arange(num_sub, dtype=jnp.int32)[None, :, None]
     s_idx3 = jnp.arange(sub_dim, dtype=jnp.int32)[None, None, :]
 
-    def load_codes(ref, t0: jax.Array, valid: jax.Array, num_centroids: int) -> jax.Array:
-        # Rows past `hi` are masked (never read out of bounds) and scored -inf below.
-        codes = plgpu.load(ref.at[pl.ds(t0, block_t), :], mask=valid[:, None], other=0)
-        codes = codes.astype(jnp.int32)
-        if num_centroids < 256:  # keep stray codes inside the table (memory safety)
+    def load_codes(ref, t0: jax.Array, valid: jax.Array, num_centroids: int, packed_bits: int) -> jax.Array:
+        if packed_bits:
+            # Packed codes: code m's bytes are read by pointer loads (integer-array indexing of
+            # the ref; rows past `hi` re-read row hi - 1, scored -inf below) and assembled with
+            # the shared bit arithmetic of pallas_kernels.code_packing.
+            width = ref.shape[1]
+            _, _, window = code_bytes(num_sub, packed_bits)
+            rows = jnp.broadcast_to(jnp.minimum(t0 + t_idx, hi - 1)[:, None], (block_t, num_sub))
+            bit = jnp.broadcast_to(jnp.arange(num_sub, dtype=jnp.int32)[None, :] * packed_bits, (block_t, num_sub))
+            first = bit >> 3
+            taken = [ref[rows, jnp.minimum(first + j, width - 1)] for j in range(window)]
+            codes = assemble_codes(taken, bit & 7, packed_bits)
+            bits_read = packed_bits
+        else:
+            # Rows past `hi` are masked (never read out of bounds) and scored -inf below.
+            codes = plgpu.load(ref.at[pl.ds(t0, block_t), :], mask=valid[:, None], other=0)
+            codes = codes.astype(jnp.int32)
+            bits_read = 8
+        if num_centroids < (1 << bits_read):  # keep stray codes inside the table (memory safety)
             codes = jnp.minimum(codes, num_centroids - 1)
         return codes  # int32[block_t, M]
 
@@ -140,7 +161,7 @@ def _pq_attention_kernel(
         acc, m_prev, l_prev = carry
         t0 = lo + i * block_t
         valid = t0 + t_idx < hi  # [block_t]; >= 1 valid row in every iterated tile
-        kc = load_codes(kc_ref, t0, valid, k_centroids)
+        kc = load_codes(kc_ref, t0, valid, k_centroids, k_packed_bits)
         if key_path == "centroid":
             k_hat = dequantise(ktab_ref, kc).astype(dot_dtype)
             scores = triton_dot(q, k_hat, trans_b=True, precision=dot_precision)  # [block_h, block_t]
@@ -163,7 +184,7 @@ def _pq_attention_kernel(
         correction = jnp.exp(m_prev - m_new)  # 0 on the first tile (m_prev = -inf)
         p = jnp.exp(scores - m_new[:, None])
         l_new = correction * l_prev + jnp.sum(p, axis=1)
-        vc = load_codes(vc_ref, t0, valid, v_centroids)
+        vc = load_codes(vc_ref, t0, valid, v_centroids, v_packed_bits)
         v_hat = dequantise(vcb_ref, vc).astype(dot_dtype)
         pv = triton_dot(p.astype(dot_dtype), v_hat, precision=dot_precision)  # [block_h, d]
         return correction[:, None] * acc + pv, m_new, l_new
@@ -198,9 +219,9 @@ _UNSAFE_NUMEL = (2**31, 2**32)
 
 
 def _check_kernel_support(
-    dims: PQDims, code_dtype: jnp.dtype, cfg: LaunchConfig, key_path: str, precision: str
+    dims: PQDims, codes: tuple[jax.Array, jax.Array], cfg: LaunchConfig, key_path: str, precision: str
 ) -> None:
-    numel = dims.batch * dims.num_kv_heads * dims.seq_len * dims.num_subspaces
+    numel = max(math.prod(c.shape) for c in codes)
     if _UNSAFE_NUMEL[0] < numel <= _UNSAFE_NUMEL[1]:
         raise ValueError(
             f"codes arrays of {numel} elements (2**31 < n <= 2**32) hit a 32-bit offset overflow"
@@ -210,11 +231,13 @@ def _check_kernel_support(
         raise ValueError(f"key_path must be 'centroid' or 'lut', got {key_path!r}")
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
-    if code_dtype != jnp.uint8:
-        raise ValueError(
-            f"the Pallas PQ kernel reads uint8 codes (nbits <= 8); got {code_dtype} codes."
-            " Use the XLA path (pq_decode_attention_reference) for nbits > 8."
-        )
+    for name, c in zip(("k_codes", "v_codes"), codes):
+        if jnp.dtype(c.dtype) != jnp.uint8:
+            raise ValueError(
+                f"the Pallas PQ kernel reads uint8 codes (one per byte, or packed); got {name} {c.dtype}."
+                " Pack codes of 9..15 bits (pallas_kernels.code_packing) or use the XLA path"
+                " (pq_decode_attention_reference)."
+            )
     for name, n in (("head_dim d", dims.head_dim), ("M", dims.num_subspaces), ("dsub", dims.sub_dim)):
         if not is_power_of_two(n):
             raise ValueError(f"the Pallas PQ kernel needs a power-of-two {name}, got {n}; use the XLA path")
@@ -262,7 +285,7 @@ def _plan(inputs: tuple[jax.Array, ...], launch: dict) -> tuple[PQDims, LaunchCo
         dims.batch, dims.num_kv_heads, dims.seq_len,
         key_path=key_path if key_path in ("centroid", "lut") else "centroid", **sizes,
     )
-    _check_kernel_support(dims, jnp.dtype(inputs[1].dtype), cfg, key_path, precision)
+    _check_kernel_support(dims, (inputs[1], inputs[2]), cfg, key_path, precision)
     return dims, cfg
 
 
@@ -290,8 +313,10 @@ def pq_decode_attention(
 
     Args:
       q: float[B, H, d] queries; query head h reads KV head h // (H // Hkv).
-      k_codes: uint8[B, Hkv, T, M] key codes (keys quantised after RoPE).
-      v_codes: uint8[B, Hkv, T, M] value codes.
+      k_codes: uint8[B, Hkv, T, M] key codes (keys quantised after RoPE), or packed at their
+        real width, uint8[B, Hkv, T, ceil(M * nbits / 8)] with nbits = log2 K
+        (`pallas_kernels.code_packing`; 1..15 bits, not 8).
+      v_codes: value codes alike (packed or not independently of the keys; same M).
       k_codebooks: float32|bf16[G, M, K, dsub] key centroids, G = 1 (shared) or Hkv.
       v_codebooks: float32|bf16[G, M, K, dsub] value centroids, G = 1 or Hkv.
       start: int32[B]; end: int32[B]: tokens start[b] <= t < end[b] are attended (clipped
@@ -309,8 +334,8 @@ def pq_decode_attention(
       (out float32[B, H, d], lse float32[B, H]) as `pq_decode_attention_reference`.
 
     Raises:
-      ValueError: bad shapes / dtypes, or inputs this kernel does not take (uint16 codes,
-        non-power-of-two d / M / dsub): the caller then uses the XLA reference path.
+      ValueError: bad shapes / dtypes, or inputs this kernel does not take (unpacked uint16
+        codes, non-power-of-two d / M / dsub): the caller then uses the XLA reference path.
     """
     dims, cfg = _plan((q, k_codes, v_codes, k_codebooks, v_codebooks, start, end),
                       dict(block_t=block_t, num_splits=num_splits, num_warps=num_warps,
@@ -350,8 +375,10 @@ def pq_decode_attention(
         precision=precision,
         k_centroids=dims.k_centroids,
         v_centroids=dims.v_centroids,
+        k_packed_bits=dims.k_packed_bits,
+        v_packed_bits=dims.v_packed_bits,
     )
-    codes_spec = pl.BlockSpec((None, None, t_len, n_sub), lambda b, h, s: (b, h, 0, 0))
+    codes_spec = lambda c: pl.BlockSpec((None, None, t_len, c.shape[-1]), lambda b, h, s: (b, h, 0, 0))  # noqa: E731
     full_b = pl.BlockSpec((batch,), lambda b, h, s: (0,))
     out_p, lse_p = pl.pallas_call(
         kernel,
@@ -360,8 +387,8 @@ def pq_decode_attention(
             full_b,
             full_b,
             pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
-            codes_spec,
-            codes_spec,
+            codes_spec(k_codes),
+            codes_spec(v_codes),
             key_spec,
             _codebook_spec(v_codebooks),
         ],
@@ -391,7 +418,7 @@ def pq_decode_attention_reference(
     *,
     scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pure-jnp fp32 reference of `pq_decode_attention` (any backend, uint8 or uint16 codes).
+    """Pure-jnp fp32 reference of `pq_decode_attention` (any backend, uint8 / uint16 / packed codes).
 
     Written with the shared math: LUT[b, g, h, m, j] = q_m . Ck_m[j] (`pq_math.build_lut`),
     score = scale * sum_m LUT[m, code_m] (`pq_math.lut_scores`), values = the value centroids
@@ -408,6 +435,8 @@ def pq_decode_attention_reference(
 
     q_grouped = q.astype(jnp.float32).reshape(batch, hkv, group, head_dim)
     lut = build_lut(q_grouped, k_codebooks)  # [B, Hkv, group, M, Kk]
+    k_codes = unpack_codes(k_codes, dims.num_subspaces, dims.k_packed_bits) if dims.k_packed_bits else k_codes
+    v_codes = unpack_codes(v_codes, dims.num_subspaces, dims.v_packed_bits) if dims.v_packed_bits else v_codes
     scores = scale * lut_scores(lut, k_codes)  # [B, Hkv, group, T]
     t = jnp.arange(t_len)
     valid = (t[None, :] >= start.astype(jnp.int32)[:, None]) & (t[None, :] < end.astype(jnp.int32)[:, None])

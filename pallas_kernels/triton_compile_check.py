@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._compat import export_for_cuda
+from pallas_kernels.code_packing import packed_width
 
 __all__ = ["capture_ttir", "compile_ttir", "report"]
 
@@ -96,9 +97,11 @@ def compile_ttir(ttir: str, num_warps: int, num_stages: int, triton_python: str 
 
 
 def _specs(b: int, h: int, hkv: int, d: int, m: int, t: int, nbits: int = 8, g: int = 1) -> tuple:
+    """Kernel inputs; codes of nbits != 8 packed at their real width."""
     s = jax.ShapeDtypeStruct
     k = 2**nbits
-    return (s((b, h, d), jnp.bfloat16), s((b, hkv, t, m), jnp.uint8), s((b, hkv, t, m), jnp.uint8),
+    w = m if nbits == 8 else packed_width(m, nbits)
+    return (s((b, h, d), jnp.bfloat16), s((b, hkv, t, w), jnp.uint8), s((b, hkv, t, w), jnp.uint8),
             s((g, m, k, d // m), jnp.float32), s((g, m, k, d // m), jnp.float32),
             s((b,), jnp.int32), s((b,), jnp.int32))
 
@@ -107,6 +110,10 @@ SHAPES = {
     "llama2-mha": _specs(1, 32, 32, 128, 64, 32768),
     "llama3-gqa4": _specs(1, 32, 8, 128, 64, 32768),
     "smollm2-gqa3-d64": _specs(1, 9, 3, 64, 32, 32768),
+    # packed codes: 2 b/elem (4-bit, dsub 2), 3 b/elem (6-bit, dsub 2; 12-bit, dsub 4)
+    "llama3-gqa4-4bit": _specs(1, 32, 8, 128, 64, 32768, nbits=4),
+    "llama3-gqa4-6bit": _specs(1, 32, 8, 128, 64, 32768, nbits=6),
+    "llama3-gqa4-12bit": _specs(1, 32, 8, 128, 32, 32768, nbits=12),
 }
 
 

@@ -3,9 +3,9 @@
 State (``PQLayer``, stacked over layers; a registered dataclass pytree donated across steps):
 
     k_codes, v_codes:  uint8|uint16[L, B, Hkv, T_max, M]  every token, encoded at append
-                       (M and nbits of keys and values may differ; codes of nbits < 8 are
-                       packed at their real width: uint8[..., ceil(M * nbits / 8)], see
-                       :mod:`million_jax.code_packing`)
+                       (M and nbits of keys and values may differ; codes of nbits other
+                       than 8 are packed at their real width: uint8[..., ceil(M * nbits / 8)], see
+                       :mod:`pallas_kernels.code_packing`)
     sink_k, sink_v:    float[L, B, Hkv, S, d]              first S tokens, exact
     ring_k, ring_v:    float[L, B, Hkv, W, d]              last W tokens, exact (slot = pos % W)
     lengths:           int32[B]                            (on the PQCache)
@@ -34,8 +34,8 @@ cache as it was before the call; the new codes are written afterwards
 token's included, is read from codes.
 
 impl: "xla" (pure jnp, runs anywhere); "pallas" (decode steps use the fused kernel, an error
-if it cannot run them, e.g. nbits > 8; interpret mode off GPU; prefill always takes the xla
-path); "auto" (the kernel for decode steps on GPU when it supports the shapes, else xla).
+if it cannot run them, e.g. keys and values of different M; interpret mode off GPU; prefill
+always takes the xla path); "auto" (the kernel for decode steps on GPU when it supports the shapes, else xla).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from million_jax.attention import tiled_dense_attention
 from million_jax.cache.base import CACHE_DIMS, Writes, check_cache_args, kept_tokens, register_cache, token_rows
 from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
-from million_jax.code_packing import is_packed, pack_codes, stored_width
+from pallas_kernels.code_packing import is_packed, pack_codes, stored_width
 from million_jax.kernel_dispatch import KernelMesh, check_impl, pq_code_attention
 from million_jax.kv_transforms import apply_head_transform
 from million_jax.pq import Codebooks, code_dtype
@@ -149,20 +149,16 @@ class PQCache(ExactWindowCache):
     def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, *,
                M: int, nbits: int, window: int = 0, sinks: int = 0, dtype: Any = jnp.bfloat16,
                quantize_all: bool = False, impl: str = "auto", value_M: int | None = None,
-               value_nbits: int | None = None, pack: bool | None = None, stages: int = 1) -> "PQCache":
+               value_nbits: int | None = None, pack: bool = True, stages: int = 1) -> "PQCache":
         """An empty cache; ``window`` (W) and ``sinks`` (S) may be 0.
 
         M / nbits are the keys' budget; value_M / value_nbits the values' (default: the keys').
         ``stages`` > 1: residual codebooks (:mod:`million_jax.residual_pq`); M and value_M
         then count the codes of all stages (M / stages sub-vectors per stage).
-        ``pack``: codes of nbits < 8 stored packed at their real width (else one per byte).
-        Default: packed, except with ``impl="pallas"`` (the kernel reads one code per byte).
+        ``pack`` (default True): codes of nbits other than 8 stored packed at their real width
+        (uint8[..., ceil(M * nbits / 8)]); False: one per uint8 (nbits < 8) / uint16 (nbits > 8).
+        Every attention path, the Pallas kernel included, reads both layouts.
         """
-        if pack is None:
-            pack = impl != "pallas"
-        elif pack and impl == "pallas" and min(nbits, nbits if value_nbits is None else value_nbits) < 8:
-            raise ValueError("impl='pallas' reads one code per byte: pack=True (codes below 8 bits) needs impl "
-                             "'auto' or 'xla'")
         check_cache_args(dict(zip(CACHE_DIMS, (num_layers, batch, num_kv_heads, max_len, head_dim))), dtype,
                          window, sinks)
         value_M = M if value_M is None else value_M

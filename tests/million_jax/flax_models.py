@@ -10,7 +10,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from million_jax.code_packing import maybe_unpack
+from pallas_kernels.code_packing import codebook_nbits, maybe_unpack
 
 VOCAB, D_MODEL, HEADS, MAX_LEN = 48, 32, 4, 64
 
@@ -81,7 +81,7 @@ def dequant(codes: np.ndarray, books: np.ndarray) -> np.ndarray:
 def stored_codes(codes, books: np.ndarray) -> np.ndarray:
     """A cache's code array (packed below 8 bits) as one code per entry: int[B, Hkv, T, M]."""
     g, m, k = books.shape[:3]
-    return np.asarray(maybe_unpack(jnp.asarray(codes[...]), m, int(k).bit_length() - 1))
+    return np.asarray(maybe_unpack(jnp.asarray(codes[...]), m, codebook_nbits(k)))
 
 
 def assert_nearest_codes(codes: np.ndarray, x: np.ndarray, books: np.ndarray) -> None:

@@ -12,34 +12,14 @@ import pytest
 from million_jax.cache.pq_cache import PQCache
 from million_jax.cache.query_stats import QueryStatsCache
 from million_jax.calibration import collect_query_gram
-from million_jax.code_packing import pack_codes, packed_width, unpack_codes
 from million_jax.codebook_io import load_kv_codebooks, save_kv_codebooks
 from million_jax.kernel_dispatch import dispatch_blocker, pq_code_attention, use_kernel
 from million_jax.kv_transforms import output_value_transform, query_aware_key_transform, sqrt_psd
 from million_jax.pq import Codebooks
 from million_jax.pq_codebooks import PQCodebooks
+from pallas_kernels.code_packing import pack_codes, packed_width
 
 B, T, H, HKV, D, L = 2, 6, 4, 2, 8, 1
-
-
-def _np_pack(codes: np.ndarray, nbits: int) -> np.ndarray:
-    """Reference packer: a little-endian bit string per row."""
-    *lead, m = codes.shape
-    bits = ((codes[..., None] >> np.arange(nbits)) & 1).reshape(*lead, m * nbits)
-    p = -(-m * nbits // 8)
-    bits = np.concatenate([bits, np.zeros((*lead, p * 8 - m * nbits), bits.dtype)], -1)
-    return (bits.reshape(*lead, p, 8) << np.arange(8)).sum(-1).astype(np.uint8)
-
-
-@pytest.mark.parametrize("nbits", [1, 2, 3, 4, 5, 6, 7])
-def test_pack_matches_bitstream_and_roundtrips(nbits):
-    rng = np.random.default_rng(nbits)
-    m = int(rng.integers(1, 40))
-    codes = rng.integers(0, 2**nbits, size=(3, 5, m)).astype(np.uint8)
-    packed = np.asarray(pack_codes(jnp.asarray(codes), nbits))
-    assert packed.shape[-1] == packed_width(m, nbits) == -(-m * nbits // 8)
-    np.testing.assert_array_equal(packed, _np_pack(codes, nbits))
-    np.testing.assert_array_equal(np.asarray(unpack_codes(jnp.asarray(packed), m, nbits)), codes)
 
 
 def test_sqrt_psd_and_transforms():
@@ -131,12 +111,11 @@ def test_decode_kernel_and_fallbacks():
     got = pq_code_attention(q, kc, vc, kb, vb, lo, hi, impl="pallas")
     want = pq_code_attention(q, kc, vc, kb, vb, lo, hi, impl="xla")
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=2e-2, atol=2e-2)
-    # packed values: xla with the same result, the kernel refuses with the reason
+    # packed values: the kernel reads them as stored, with the same result as unpacked
     vp = pack_codes(vc, 4)
-    assert "packed" in dispatch_blocker(kc, vp, kb, vb)
-    assert not use_kernel("auto", q, kc, vp, kb, vb, lo, hi)
-    with pytest.raises(ValueError, match="packed"):
-        pq_code_attention(q, kc, vp, kb, vb, lo, hi, impl="pallas")
+    assert dispatch_blocker(kc, vp, kb, vb) is None and use_kernel("pallas", q, kc, vp, kb, vb, lo, hi)
+    np.testing.assert_array_equal(np.asarray(pq_code_attention(q, kc, vp, kb, vb, lo, hi, impl="pallas")[0]),
+                                  np.asarray(got[0]))
     np.testing.assert_array_equal(np.asarray(pq_code_attention(q, kc, vp, kb, vb, lo, hi, impl="xla")[0]),
                                   np.asarray(want[0]))
     # different M for keys and values: the reason names it

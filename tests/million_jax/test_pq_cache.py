@@ -186,7 +186,16 @@ def test_pallas_impl_matches_xla_on_decode(window, sinks):
         _, (o,) = _run(cache, books, [q[:, :1]], [k[:, :1]], [k[:, :1]], [np.ones(2, np.int32)])
         outs[impl] = o
     np.testing.assert_allclose(outs["pallas"], outs["xla"], rtol=3e-2, atol=3e-2)  # bf16 dots in the kernel
-    books12 = _books(rng, 1, hkv, d, M, 10, "layer_head")
-    c12 = PQCache.create(1, 2, hkv, 16, d, M=M, nbits=10, impl="pallas", dtype=jnp.float32)
+    # 10-bit codes: packed (the default) the kernel reads them; one per uint16 it refuses
+    books10 = _books(rng, 1, hkv, d, M, 10, "layer_head")
+    outs10 = {}
+    for impl in ("xla", "pallas"):
+        c10 = PQCache.create(1, 2, hkv, 16, d, M=M, nbits=10, impl=impl, dtype=jnp.float32)
+        assert c10.layers.k_codes.shape[-1] == M * 10 // 8 and c10.layers.k_codes.dtype == jnp.uint8
+        c10, _ = _run(c10, books10, [q[:, :T]], [k], [k], [n])
+        _, (outs10[impl],) = _run(c10, books10, [q[:, :1]], [k[:, :1]], [k[:, :1]], [np.ones(2, np.int32)])
+    np.testing.assert_allclose(outs10["pallas"], outs10["xla"], rtol=3e-2, atol=3e-2)
+    c16 = PQCache.create(1, 2, hkv, 16, d, M=M, nbits=10, impl="pallas", dtype=jnp.float32, pack=False)
+    assert c16.layers.k_codes.dtype == jnp.uint16
     with pytest.raises(ValueError, match="impl='pallas' cannot run"):
-        _run(c12, books12, [q[:, :1]], [k[:, :1]], [k[:, :1]], [np.ones(2, np.int32)])
+        _run(c16, books10, [q[:, :1]], [k[:, :1]], [k[:, :1]], [np.ones(2, np.int32)])

@@ -80,3 +80,22 @@ def numpy_oracle(inputs: dict, scale: float | None = None) -> tuple[np.ndarray, 
             lse[bi, hi_] = mx + np.log(p.sum())
             out[bi, hi_] = p @ vv / p.sum()
     return out, lse
+
+
+def make_packed_inputs(case: Case, seed: int, k_bits: int, v_bits: int) -> tuple[dict, dict]:
+    """(unpacked, stored) inputs with key / value codes of k_bits / v_bits bits (K = 2**bits);
+    in ``stored`` the codes of a width other than 8 are packed (pallas_kernels.code_packing)."""
+    from pallas_kernels.code_packing import pack_codes
+
+    base = make_inputs(dataclasses.replace(case, nbits=8), seed)
+    rng = np.random.default_rng(seed + 1)
+    b, hkv, d, m, t = case.batch, case.num_kv_heads, case.head_dim, case.num_subspaces, case.seq_len
+    g = 1 if case.shared_codebook else hkv
+    unpacked, stored = dict(base), dict(base)
+    for side, bits in (("k", k_bits), ("v", v_bits)):
+        codes = jnp.asarray(rng.integers(0, 2**bits, (b, hkv, t, m)), jnp.uint8 if bits <= 8 else jnp.uint16)
+        unpacked[f"{side}_codes"] = codes
+        stored[f"{side}_codes"] = codes if bits == 8 else pack_codes(codes, bits)
+        books = jnp.asarray(rng.standard_normal((g, m, 2**bits, d // m)), jnp.float32)
+        unpacked[f"{side}_codebooks"] = stored[f"{side}_codebooks"] = books
+    return unpacked, stored

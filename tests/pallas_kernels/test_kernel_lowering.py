@@ -15,17 +15,19 @@ import pytest
 
 from pallas_kernels import pq_decode_attention, pq_kernel_unsupported_reason
 from pallas_kernels._compat import TRITON_CUSTOM_CALL, export_for_cuda
+from pallas_kernels.code_packing import packed_width
 
 pytestmark = pytest.mark.kernels
 
 
-def specs(b, h, hkv, d, m, t, nbits=8, g=1, cb_dtype=jnp.float32, q_dtype=jnp.bfloat16):
+def specs(b, h, hkv, d, m, t, nbits=8, g=1, cb_dtype=jnp.float32, q_dtype=jnp.bfloat16, packed=False):
     s = jax.ShapeDtypeStruct
     k = 2**nbits
+    w = packed_width(m, nbits) if packed else m
     return (
         s((b, h, d), q_dtype),
-        s((b, hkv, t, m), jnp.uint8),
-        s((b, hkv, t, m), jnp.uint8),
+        s((b, hkv, t, w), jnp.uint8),
+        s((b, hkv, t, w), jnp.uint8),
         s((g, m, k, d // m), cb_dtype),
         s((g, m, k, d // m), cb_dtype),
         s((b,), jnp.int32),
@@ -46,6 +48,10 @@ SHAPES = {
     # The LUT key path (MHA and GQA 8) and non-default knobs.
     "lut-mha": (specs(1, 8, 8, 128, 64, 4096), dict(key_path="lut")),
     "lut-gqa8-fp32": (specs(2, 16, 2, 64, 32, 3000, g=2), dict(key_path="lut", precision="fp32")),
+    # Codes packed at their real width: 4-bit pairs, straddling 6-bit, 12-bit (LUT path too).
+    "packed4-gqa4": (specs(2, 32, 8, 128, 64, 4096, nbits=4, packed=True), {}),
+    "packed6-smollm2-perhead": (specs(3, 9, 3, 64, 32, 8191, nbits=6, g=3, packed=True), {}),
+    "packed12-lut": (specs(1, 32, 8, 128, 32, 4096, nbits=12, packed=True), dict(key_path="lut")),
     "knobs-bt128-w8-s3": (specs(4, 32, 8, 128, 64, 4096), dict(block_t=128, num_splits=1, num_warps=8, num_stages=3)),
 }
 

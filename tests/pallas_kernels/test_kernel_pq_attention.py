@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_pq_data import Case, make_inputs, numpy_oracle
+from kernel_pq_data import Case, make_inputs, make_packed_inputs, numpy_oracle
 from pallas_kernels import (
     pq_decode_attention,
     pq_decode_attention_reference,
@@ -156,6 +156,44 @@ def test_random_shapes_match_reference(
                 num_subspaces=dims[1], nbits=nbits, seq_len=seq_len, shared_codebook=shared)
     assert_matches_reference(make_inputs(case, seed=seed), precision="fp32",
                              block_t=block_t, num_splits=num_splits)
+
+
+# Codes stored at their real width: the kernel reads each code's bytes itself. Bits cover two
+# codes per byte (4), codes straddling bytes (3, 6), 12-bit pairs in 3 bytes, and keys one per
+# byte with packed values (different K).
+PACKED = [
+    (Case(batch=3, num_kv_heads=2, group=2, head_dim=64, num_subspaces=32, seq_len=37), 4, 4),
+    (Case(batch=2, num_kv_heads=1, group=4, head_dim=128, num_subspaces=64, seq_len=29, shared_codebook=False), 6, 6),
+    (Case(batch=2, num_kv_heads=2, group=1, head_dim=64, num_subspaces=16, seq_len=21), 3, 5),
+    (Case(batch=2, num_kv_heads=1, group=3, head_dim=64, num_subspaces=16, seq_len=33), 12, 12),
+    (Case(batch=3, num_kv_heads=2, group=2, head_dim=64, num_subspaces=32, seq_len=40), 8, 4),
+]
+
+
+@pytest.mark.parametrize("case,k_bits,v_bits", PACKED, ids=[f"k{k}v{v}" for _, k, v in PACKED])
+@pytest.mark.parametrize("key_path", ["centroid", "lut"])
+def test_packed_codes_match_oracle(case: Case, k_bits: int, v_bits: int, key_path: str) -> None:
+    unpacked, stored = make_packed_inputs(case, seed_of(case), k_bits, v_bits)
+    if k_bits != 8:
+        assert stored["k_codes"].shape[-1] == -(-case.num_subspaces * k_bits // 8)
+    want_out, want_lse = numpy_oracle(unpacked)
+    out, lse = run_kernel(stored, precision="fp32", key_path=key_path, block_t=16, num_splits=2)
+    np.testing.assert_allclose(np.asarray(out), want_out, **TOL["fp32"])
+    np.testing.assert_allclose(np.asarray(lse), want_lse, **TOL["fp32"])
+    ref_out, _ = pq_decode_attention_reference(**stored)
+    np.testing.assert_allclose(np.asarray(ref_out), want_out, **TOL["fp32"])
+
+
+def test_packed_codes_bad_width_or_dtype_raise() -> None:
+    _, stored = make_packed_inputs(Case(batch=2, num_kv_heads=2, group=2, seq_len=8), 0, 6, 6)
+    for bad, match in (
+        (dict(v_codes=stored["v_codes"][..., :-1]), "does not fit v_codes"),
+        (dict(k_codes=stored["k_codes"].astype(jnp.uint16)), "packed k_codes must be uint8"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            pq_decode_attention(**dict(stored, **bad), interpret=True)
+        with pytest.raises(ValueError, match=match):
+            pq_decode_attention_reference(**dict(stored, **bad))
 
 
 # ----------------------------------------------------------------------------- bad inputs

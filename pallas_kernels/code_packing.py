@@ -1,0 +1,120 @@
+"""PQ codes stored at their real width: M codes of nbits bits in ceil(M * nbits / 8) bytes.
+
+Layout (little-endian bit stream per token): code m occupies bits ``[m*nbits, (m+1)*nbits)``
+of the token's byte row, bit ``o`` of the row being bit ``o % 8`` of byte ``o // 8``. So two
+4-bit codes share a byte (code 0 in the low nibble), four 2-bit codes a byte, four 6-bit codes
+fill 3 bytes, two 12-bit codes 3 bytes; codes that do not divide 8 straddle byte boundaries.
+
+    pack_codes(codes uint[..., M], nbits)        -> uint8[..., packed_width(M, nbits)]
+    unpack_codes(packed uint8[..., P], M, nbits) -> uint8|uint16[..., M]
+    code_bytes(M, nbits)                         -> (first byte, shift) of each code, window
+    assemble_codes(window_bytes, shift, nbits)   -> the codes, from the bytes each code touches
+
+``assemble_codes`` is the one formula that reads a code out of its bytes: :func:`unpack_codes`
+(jnp gathers) and the Pallas kernel (pointer loads of the same bytes) both call it.
+
+Codes of 8 and 16 bits are never packed; every other width in 1..15 bits is packed when the
+cache asks for it (``stored_width(M, nbits, pack)``), else stored one per uint8 / uint16. Whether
+a stored code array is packed is read from its width (``is_packed``; a single code of < 8 bits
+per token, M = 1, reads the same packed or not). Leaf module: imports no project code.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["MAX_PACKED_BITS", "packed_width", "stored_width", "is_packed", "codebook_nbits", "code_bytes",
+           "assemble_codes", "pack_codes", "unpack_codes", "maybe_unpack"]
+
+MAX_PACKED_BITS = 15  # a code plus its bit offset (< 8) spans at most 3 bytes
+
+
+def _check_packable(nbits: int) -> None:
+    if not isinstance(nbits, (int, np.integer)) or not 1 <= nbits <= MAX_PACKED_BITS or nbits == 8:
+        raise ValueError(f"codes of 1..{MAX_PACKED_BITS} bits other than 8 are packed, got nbits={nbits!r}")
+
+
+def packed_width(M: int, nbits: int) -> int:
+    """Bytes per token for M packed codes of ``nbits`` bits."""
+    _check_packable(nbits)
+    return -(-M * nbits // 8)
+
+
+def _packable(nbits: int) -> bool:
+    return 1 <= nbits <= MAX_PACKED_BITS and nbits != 8
+
+
+def stored_width(M: int, nbits: int, pack: bool = True) -> int:
+    """Last-axis width of the stored code array: packed bytes (``pack`` and nbits packable) or M."""
+    return packed_width(M, nbits) if pack and _packable(nbits) else M
+
+
+def is_packed(width: int, M: int, nbits: int) -> bool:
+    """Whether a code array of last-axis ``width`` holds M packed codes; ValueError if it fits neither."""
+    if width == M:
+        return False
+    if _packable(nbits) and width == packed_width(M, nbits):
+        return True
+    raise ValueError(f"code array of width {width} holds neither M={M} codes nor M={M} packed "
+                     f"{nbits}-bit codes" + (f" ({packed_width(M, nbits)} bytes)" if _packable(nbits) else ""))
+
+
+def codebook_nbits(num_centroids: int) -> int:
+    """Code width of a codebook of K centroids: ceil(log2 K) (K = 2**nbits for fitted codebooks)."""
+    return max(1, (int(num_centroids) - 1).bit_length())
+
+
+def code_bytes(M: int, nbits: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(byte int32[M], shift int32[M], window): code m starts at bit ``shift[m]`` of byte
+    ``byte[m]`` and lies within bytes ``byte[m] .. byte[m] + window - 1``."""
+    offset = np.arange(M, dtype=np.int64) * nbits
+    shift = offset % 8
+    window = int(np.max(-(-(shift + nbits) // 8))) if M else 1
+    return (offset // 8).astype(np.int32), shift.astype(np.int32), window
+
+
+def assemble_codes(window_bytes: Sequence[jax.Array], shift: jax.Array, nbits: int) -> jax.Array:
+    """int32 codes from the bytes they touch: ``window_bytes[j]`` is byte ``byte[m] + j`` of each
+    code (any int array, broadcast with ``shift``); bytes past a code's last bit may hold anything."""
+    word = window_bytes[0].astype(jnp.int32)
+    for j, b in enumerate(window_bytes[1:], start=1):
+        word = word | (b.astype(jnp.int32) << (8 * j))
+    return (word >> shift) & ((1 << nbits) - 1)
+
+
+def pack_codes(codes: jax.Array, nbits: int) -> jax.Array:
+    """codes int[..., M] (each < 2**nbits) -> uint8[..., ceil(M * nbits / 8)] (module docstring)."""
+    M = codes.shape[-1]
+    P = packed_width(M, nbits)
+    byte, shift, window = code_bytes(M, nbits)
+    c = (codes.astype(jnp.int32) & ((1 << nbits) - 1)) << jnp.asarray(shift)
+    out = None
+    for j in range(window):
+        # one-hot [M, P]: code m's j-th byte lands in byte[m] + j (bit fields never overlap,
+        # so the sum is an OR; exact in int32)
+        onehot = np.zeros((M, P + window), np.int32)
+        onehot[np.arange(M), byte + j] = 1
+        part = jnp.dot((c >> (8 * j)) & 0xFF, jnp.asarray(onehot[:, :P]), preferred_element_type=jnp.int32)
+        out = part if out is None else out + part
+    return out.astype(jnp.uint8)
+
+
+def unpack_codes(packed: jax.Array, M: int, nbits: int) -> jax.Array:
+    """uint8[..., ceil(M * nbits / 8)] -> uint8[..., M] (uint16 for nbits > 8; module docstring)."""
+    P = packed_width(M, nbits)
+    if packed.shape[-1] != P:
+        raise ValueError(f"packed codes must have {P} bytes per token for M={M} x {nbits} bits, "
+                         f"got {packed.shape[-1]}")
+    byte, shift, window = code_bytes(M, nbits)
+    b = packed.astype(jnp.int32)
+    taken = [jnp.take(b, np.minimum(byte + j, P - 1), axis=-1) for j in range(window)]
+    codes = assemble_codes(taken, jnp.asarray(shift), nbits)
+    return codes.astype(jnp.uint8 if nbits < 8 else jnp.uint16)
+
+
+def maybe_unpack(codes: jax.Array, M: int, nbits: int) -> jax.Array:
+    """Codes uint[..., M] as they are, or packed uint8[..., P] unpacked to one code per entry."""
+    return unpack_codes(codes, M, nbits) if is_packed(codes.shape[-1], M, nbits) else codes
