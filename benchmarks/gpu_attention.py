@@ -5,7 +5,9 @@ Installs nothing. Steps:
   2. correctness of the Pallas kernel against the jnp reference on this device (both key
      paths, both precisions, ragged lengths, GQA 3 and 4) -- rows with impl "check:*";
   3. timings at contexts 4K..128K, batch 1 and 8, LLaMA-2-7B (32 q / 32 kv heads, d 128) and
-     LLaMA-3.1-8B (32 / 8, d 128) head shapes, M = 64, nbits = 8 (4 bits / element):
+     LLaMA-3.1-8B (32 / 8, d 128) head shapes, M = 64, nbits = 8 (4 bits / element), and
+     the LLaMA-3.1-8B shape with 6-bit codes packed at their real width (3 bits / element,
+     4 codes in 3 bytes, unpacked in the kernel):
        pq          the Pallas kernel (default launch config, + any --variant)
        bf16-xla    dense bf16 K/V, einsum + fp32 softmax + einsum (XLA)
        bf16-cudnn  jax.nn.dot_product_attention(implementation="cudnn") where it runs
@@ -42,6 +44,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks._gpu_common import copy_bandwidth, gpu_parser, today, warn_if_no_gpu, write_json_md  # noqa: E402
 from pallas_kernels import pq_decode_attention, pq_decode_attention_reference  # noqa: E402
+from pallas_kernels.code_packing import pack_codes, stored_width  # noqa: E402
 
 L2_BYTES = 50 * 2**20  # H100 / H200 L2
 MIN_HBM_BYTES = 2 * L2_BYTES  # rotate cache copies until one loop step touches this much
@@ -58,8 +61,10 @@ class HeadShape:
     nbits: int = 8
 
 
-FULL_SHAPES = [HeadShape("llama2-7b", 32, 32, 128, 64), HeadShape("llama3.1-8b", 32, 8, 128, 64)]
-TINY_SHAPES = [HeadShape("tiny-mha", 4, 4, 64, 32), HeadShape("tiny-gqa", 4, 2, 64, 32)]
+FULL_SHAPES = [HeadShape("llama2-7b", 32, 32, 128, 64), HeadShape("llama3.1-8b", 32, 8, 128, 64),
+               HeadShape("llama3.1-8b-6bit", 32, 8, 128, 64, nbits=6)]
+TINY_SHAPES = [HeadShape("tiny-mha", 4, 4, 64, 32), HeadShape("tiny-gqa", 4, 2, 64, 32),
+               HeadShape("tiny-gqa-6bit", 4, 2, 64, 32, nbits=6)]
 KNOB_TYPES = {"block_t": int, "num_splits": int, "num_warps": int, "num_stages": int,
               "key_path": str, "precision": str}
 
@@ -113,7 +118,7 @@ def make_pq_cache(key, b, shape: HeadShape, t, copies, cb_dtype):
     ks = jax.random.split(key, 2 * copies + 2)
     def rand_codes(kk):
         bits = jax.random.bits(kk, (b, hkv, t, m), jnp.uint8)
-        return bits if k == 256 else bits % jnp.uint8(k)
+        return bits if k == 256 else pack_codes(bits % jnp.uint8(k), shape.nbits)  # stored at real width
 
     codes = [(rand_codes(ks[2 * c]), rand_codes(ks[2 * c + 1])) for c in range(copies)]
     kcb = jax.random.normal(ks[-2], (1, m, k, d // m), jnp.float32).astype(cb_dtype)
@@ -148,13 +153,13 @@ def bench_shape(args, shape: HeadShape, b: int, t: int, variants, copy_bw, devic
     q = jax.random.normal(key, (b, h, d), jnp.bfloat16)
     lengths = jnp.full((b,), t, jnp.int32)
     zeros = jnp.zeros((b,), jnp.int32)
-    pq_bytes = 2 * b * hkv * t * m * shape.nbits // 8
+    pq_bytes = 2 * b * hkv * t * stored_width(m, shape.nbits)
     dense_bytes = 2 * b * hkv * t * d * 2
     rows, times = [], {}
 
     def row(impl, seconds, nbytes, **extra):
         gbps = nbytes / seconds / 1e9
-        r = dict(context=t, batch=b, shape=shape.name, impl=impl, seconds=seconds, gbps=gbps,
+        r = dict(context=t, batch=b, shape=shape.name, pq_nbits=shape.nbits, impl=impl, seconds=seconds, gbps=gbps,
                  pct_copy_bw=100 * gbps * 1e9 / copy_bw, cache_bytes=nbytes, device=device,
                  speedup=None, **extra)
         rows.append(r)
@@ -213,20 +218,24 @@ def _pq_step(q, codes, *, kcb, vcb, start, end, knobs, interpret):
 def correctness_checks(args, device) -> list[dict]:
     """Kernel vs reference on this device at a few shapes; rows with impl 'check:...'."""
     rows = []
-    cases = [  # (name, B, H, Hkv, d, M, nbits, T, G)
-        ("gqa4-d128", 3, 32, 8, 128, 64, 8, 5000, 8),
-        ("gqa3-d64", 2, 9, 3, 64, 32, 8, 777, 1),
-        ("mha-nbits4", 2, 8, 8, 128, 32, 4, 1000, 1),
+    cases = [  # (name, B, H, Hkv, d, M, nbits, T, G, codes packed)
+        ("gqa4-d128", 3, 32, 8, 128, 64, 8, 5000, 8, False),
+        ("gqa3-d64", 2, 9, 3, 64, 32, 8, 777, 1, False),
+        ("mha-nbits4", 2, 8, 8, 128, 32, 4, 1000, 1, False),
+        ("gqa4-packed4", 2, 32, 8, 128, 64, 4, 3000, 8, True),
+        ("gqa3-packed6", 3, 9, 3, 64, 32, 6, 777, 1, True),
+        ("gqa4-packed12", 2, 32, 8, 128, 32, 12, 2000, 1, True),
     ]
     if args.tiny:
-        cases = [("tiny-gqa3", 2, 6, 2, 64, 32, 8, 70, 1)]
-    for name, b, h, hkv, d, m, nbits, t, g in cases:
+        cases = [("tiny-gqa3", 2, 6, 2, 64, 32, 8, 70, 1, False), ("tiny-packed6", 2, 6, 2, 64, 32, 6, 70, 1, True)]
+    for name, b, h, hkv, d, m, nbits, t, g, packed in cases:
         rng = np.random.default_rng(0)
         k = 2**nbits
+        store = (lambda c: pack_codes(c, nbits)) if packed else (lambda c: c)  # noqa: E731
         inputs = dict(
             q=jnp.asarray(rng.standard_normal((b, h, d)), jnp.bfloat16),
-            k_codes=jnp.asarray(rng.integers(0, k, (b, hkv, t, m)), jnp.uint8),
-            v_codes=jnp.asarray(rng.integers(0, k, (b, hkv, t, m)), jnp.uint8),
+            k_codes=store(jnp.asarray(rng.integers(0, k, (b, hkv, t, m)), jnp.uint8 if nbits <= 8 else jnp.uint16)),
+            v_codes=store(jnp.asarray(rng.integers(0, k, (b, hkv, t, m)), jnp.uint8 if nbits <= 8 else jnp.uint16)),
             k_codebooks=jnp.asarray(rng.standard_normal((g, m, k, d // m)), jnp.float32),
             v_codebooks=jnp.asarray(rng.standard_normal((g, m, k, d // m)), jnp.float32),
             start=jnp.asarray([0, 3, 0][:b], jnp.int32),
@@ -322,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = copy_bandwidth(args.tiny)
     print(f"device {device}, jax {jax.__version__}, copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     meta = dict(device=device, jax=jax.__version__, copy_gbps=copy_bw / 1e9, M=shapes[0].num_subspaces,
-                nbits=shapes[0].nbits, codebook_dtype=args.codebook_dtype, date=stamp)
+                nbits=sorted({sh.nbits for sh in shapes}), codebook_dtype=args.codebook_dtype, date=stamp)
     rows: list[dict[str, Any]] = []
     if not args.skip_checks:
         rows += correctness_checks(args, device)
