@@ -76,8 +76,8 @@ def main() -> None:
         if a.save_books:
             os.makedirs(a.save_books, exist_ok=True)
             save_model_codebooks(os.path.join(a.save_books, f"{name}.safetensors"), books, codebook_metadata(
-                model, books, calib_text=a.calib, calib_tokens=used, calib_window=max(calib_windows),
-                calib_windows=list(calib_windows), seed=a.seed, iters=a.iters, max_vectors=a.max_vectors, recipe=name),
+                model, books, calib_text=a.calib, calib_tokens=used,
+                calib_windows=calib_windows, seed=a.seed, iters=a.iters, max_vectors=a.max_vectors, recipe=name),
                 flag="--save-books")
         for protocol in protocols:
             r = evaluate(model, eval_ids, CacheChoice(kind="pq", codebooks=books, **settings[protocol]), **ev)

@@ -162,10 +162,12 @@ class CacheChoice:
         key error 0.3% in the first 1K positions, 46% at 6-8K, for 512-token calibration)."""
         if self.kind != "pq" or self.calib_window is None or n_tokens <= self.calib_window:
             return None
+        # one long window alone starves the attention sinks (position_error_smollm2/): mix in 512
+        advice = f"--window {n_tokens}" if n_tokens <= 512 else f"--window 512,{n_tokens}"
         return (f"the codebooks ({self.codebooks_path or 'given'}) were calibrated on windows of "
                 f"{self.calib_window} tokens and will read sequences of up to {n_tokens}: keys past "
                 f"position {self.calib_window} are quantized with a much larger error (long-range "
-                f"retrieval fails); calibrate with `million-jax calibrate --window {n_tokens}` or more")
+                f"retrieval fails); calibrate with `million-jax calibrate {advice}`")
 
     # ------------------------------------------------------------------ building
     def library_spec(self) -> CacheSpec:

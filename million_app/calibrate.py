@@ -119,8 +119,12 @@ def calibrate_model(model: LoadedModel, ids: Sequence[int], *, M: int, nbits: in
 
 
 # ---------------------------------------------------------------------------- files
-def codebook_metadata(model: LoadedModel, books: PQCodebooks, **extra) -> dict:
-    """What a codebook file records: the model it belongs to, its shapes, how it was made."""
+def codebook_metadata(model: LoadedModel, books: PQCodebooks, *, calib_windows: Sequence[int] | None = None,
+                      **extra) -> dict:
+    """What a codebook file records: the model it belongs to, its shapes, how it was made.
+
+    ``calib_windows``: the calibration window lengths; recorded as ``calib_windows`` and their
+    longest as ``calib_window`` (what the long-sequence warning compares against)."""
     c = model.config
     meta = {
         "model_fingerprint": model_fingerprint(model),
@@ -139,6 +143,8 @@ def codebook_metadata(model: LoadedModel, books: PQCodebooks, **extra) -> dict:
         "granularity": books.granularity,
         "bits_per_elem": books.bits_per_elem,
     }
+    if calib_windows is not None:
+        meta.update(calib_window=max(calib_windows), calib_windows=list(calib_windows))
     meta.update(extra)
     return meta
 

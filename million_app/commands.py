@@ -73,7 +73,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                                seed=args.seed, iters=args.iters, max_vectors=args.max_vectors,
                                queries=queries)
     meta = codebook_metadata(model, books, calib_text=args.text, calib_text_hash=text_hash(text),
-                             calib_tokens=used, calib_window=max(windows), calib_windows=list(windows),
+                             calib_tokens=used, calib_windows=windows,
                              seed=args.seed,
                              iters=args.iters, max_vectors=args.max_vectors,
                              fit_seconds=round(t["seconds"], 2),
