@@ -38,6 +38,8 @@ def main() -> None:
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=64)
     p.add_argument("--only", default="", help="comma-separated cache names to run (default all)")
+    p.add_argument("--first-trial", type=int, default=0,
+                   help="start at this trial of the --trials/--seed plan (resume a run cut short)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     model = open_model(a.model)
@@ -66,7 +68,7 @@ def main() -> None:
 
     d = model.config.head_dim
     rows = {name: {n: [] for n in lengths} for name in caches}
-    for t in range(a.trials):
+    for t in range(a.first_trial, a.trials):
         for length in lengths:
             for name, spec in caches.items():
                 prompt, key, depth = plan[length][t]
@@ -78,7 +80,7 @@ def main() -> None:
                       f"{r['answer']!r} ({r['seconds']} s)", flush=True)
                 write_json(os.path.join(a.out, f"{name}.json"), {
                     "lengths": lengths, "model": model_name(model), "trials": a.trials,
-                    "seed": a.seed, "cache": name, "settings": spec.settings(),
+                    "seed": a.seed, "first_trial": a.first_trial, "cache": name, "settings": spec.settings(),
                     "bits_per_elem": spec.bits_per_elem(d),
                     "storage_bits_per_elem": spec.storage_bits_per_elem(d),
                     "results": [{"length": n, "done": len(rows[name][n]),

@@ -68,15 +68,36 @@ def _pool(x: np.ndarray, granularity: str) -> np.ndarray:
     return x
 
 
-def _subsample(x: np.ndarray, max_vectors: int, rng: np.random.Generator) -> np.ndarray:
+def _subsample(x: np.ndarray, max_vectors: int, rng: np.random.Generator,
+               weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(x, weights) with at most ``max_vectors`` of the P vectors of each group, drawn uniformly
+    (x float[*G, P, d], weights float[*G, P] or None: the same rows kept)."""
     p = x.shape[-2]
     if p <= max_vectors:
-        return x
+        return x, weights
     # one uniform draw per group (groups are independent problems)
     groups = x.shape[:-2]
     flat = x.reshape((-1, p, x.shape[-1]))
-    picked = np.stack([f[np.sort(rng.choice(p, size=max_vectors, replace=False))] for f in flat])
-    return picked.reshape(groups + (max_vectors, x.shape[-1]))
+    rows = [np.sort(rng.choice(p, size=max_vectors, replace=False)) for _ in flat]
+    picked = np.stack([f[r] for f, r in zip(flat, rows)]).reshape(groups + (max_vectors, x.shape[-1]))
+    if weights is None:
+        return picked, None
+    wf = weights.reshape((-1, p))
+    return picked, np.stack([w[r] for w, r in zip(wf, rows)]).reshape(groups + (max_vectors,))
+
+
+def _check_weights(name: str, w: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray | None:
+    """float32[L, Hkv, N] sample weights (ValueError unless finite, >= 0 and not all zero per head)."""
+    if w is None:
+        return None
+    w = np.asarray(w, np.float32)
+    if w.shape != shape:
+        raise ValueError(f"fit_kv_codebooks: {name} must be float[L, Hkv, N] = {list(shape)}, got {list(w.shape)}")
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError(f"fit_kv_codebooks: {name} must be finite and >= 0")
+    if (w.sum(axis=-1) <= 0).any():
+        raise ValueError(f"fit_kv_codebooks: {name} are all zero for some layer / KV head")
+    return w
 
 
 def fit_kv_codebooks(
@@ -97,6 +118,8 @@ def fit_kv_codebooks(
     groups_per_fit: int = GROUPS_PER_FIT,
     progress: Callable[[int, int], None] | None = None,
     stages: int = 1,
+    key_weights: np.ndarray | None = None,
+    value_weights: np.ndarray | None = None,
 ) -> PQCodebooks:
     """Fit key and value codebooks from calibration samples.
 
@@ -108,6 +131,10 @@ def fit_kv_codebooks(
 
     ``stages`` > 1: residual PQ (:mod:`million_jax.residual_pq`), M sub-vectors per stage,
     each stage fitted on what the previous ones leave; the result holds S * M codes per vector.
+
+    ``key_weights`` / ``value_weights``: float[L, Hkv, N] per-vector k-means weights (e.g.
+    :func:`million_jax.attention_mass.attention_mass_weights`), pooled and subsampled with
+    their vectors; None: every vector counts once.
 
     The codebook groups are fitted ``groups_per_fit`` at a time (:func:`fit_in_chunks`);
     ``progress(done, total)`` is called after each such fit (it may raise to stop).
@@ -131,6 +158,8 @@ def fit_kv_codebooks(
     for nb in (nbits, value_nbits):
         if max_vectors < 2**nb:
             raise ValueError(f"max_vectors={max_vectors} is below the K=2**{nb}={2**nb} centroids")
+    key_weights = _check_weights("key_weights", key_weights, keys.shape[:3])
+    value_weights = _check_weights("value_weights", value_weights, keys.shape[:3])
     if key_transform is not None:
         keys = transform_rows(keys, key_transform)
     if value_transform is not None:
@@ -148,16 +177,18 @@ def fit_kv_codebooks(
             progress(done[0], 2 * per_set)
 
     out = []
-    for sub, x, M, nbits in ((kk, keys, M, nbits), (kv, values, value_M, value_nbits)):
+    for sub, x, wts, M, nbits in ((kk, keys, key_weights, M, nbits), (kv, values, value_weights, value_M, value_nbits)):
         need = 2**nbits
-        pooled = _subsample(_pool(x, granularity), max_vectors, rng)
+        pooled, wts = _subsample(_pool(x, granularity), max_vectors, rng,
+                                 None if wts is None else _pool(wts[..., None], granularity)[..., 0])
         if pooled.shape[-2] < need:
             raise ValueError(
                 f"calibration gives {pooled.shape[-2]} vectors per {granularity} codebook, fewer than "
                 f"K=2**{nbits}={need}; use more calibration tokens or fewer bits"
             )
         fit = functools.partial(fit_in_chunks, groups_per_fit=groups_per_fit, progress=step)
-        out.append(fit_stages(pooled, M, nbits, stages, key=sub, fit=fit, iters=iters, chunk_size=chunk_size))
+        out.append(fit_stages(pooled, M, nbits, stages, key=sub, fit=fit, iters=iters, chunk_size=chunk_size,
+                              weights=wts))
     books = PQCodebooks.from_centroids(out[0].centroids, out[1].centroids, granularity, num_layers=keys.shape[0],
                                        stages=stages)
     return books.with_transforms(key_transform, value_transform)
@@ -178,7 +209,7 @@ def fits_needed(g: int, groups_per_fit: int) -> int:
 
 def fit_in_chunks(pooled: np.ndarray, M: int, nbits: int, *, key: jax.Array,
                   groups_per_fit: int = GROUPS_PER_FIT, progress: Callable[[], None] | None = None,
-                  **kmeans_options: Any):
+                  weights: np.ndarray | None = None, **kmeans_options: Any):
     """``fit_codebooks`` over pooled float32[*G, N, d], ``groups_per_fit`` groups per call.
 
     Splitting the work gives the caller a chance to report progress or stop between calls
@@ -186,25 +217,29 @@ def fit_in_chunks(pooled: np.ndarray, M: int, nbits: int, *, key: jax.Array,
     ``fit_codebooks(pooled, key=key)``; otherwise chunk i uses ``fold_in(key, i)``. Chunks
     are equal (a divisor of G in [groups_per_fit / 2, groups_per_fit] when there is one, else
     the last chunk is padded with copies of its last group, discarded) so one compiled
-    program serves every chunk. Returns Codebooks with centroids float32[*G, M, K, dsub].
+    program serves every chunk. ``weights``: float[*G, N] per-vector weights, chunked alike.
+    Returns Codebooks with centroids float32[*G, M, K, dsub].
     """
     lead = pooled.shape[:-2]
     g = int(np.prod(lead)) if lead else 1
     size = chunk_groups(g, groups_per_fit)
     if size >= g:
-        res = fit_codebooks(pooled, M, nbits, key=key, **kmeans_options)
+        res = fit_codebooks(pooled, M, nbits, key=key, weights=weights, **kmeans_options)
         if progress is not None:
             progress()
         return res
     n_chunks = -(-g // size)
     flat = pooled.reshape((g,) + pooled.shape[-2:])
+    wflat = None if weights is None else np.asarray(weights).reshape((g, -1))
     parts = []
     for i in range(n_chunks):
         chunk = flat[i * size: (i + 1) * size]
+        wchunk = None if wflat is None else wflat[i * size: (i + 1) * size]
         real = chunk.shape[0]
         if real < size:
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], size - real, axis=0)])
-        books = fit_codebooks(chunk, M, nbits, key=jax.random.fold_in(key, i), **kmeans_options)
+            wchunk = None if wchunk is None else np.concatenate([wchunk, np.repeat(wchunk[-1:], size - real, axis=0)])
+        books = fit_codebooks(chunk, M, nbits, key=jax.random.fold_in(key, i), weights=wchunk, **kmeans_options)
         parts.append(np.asarray(books.centroids)[:real])
         if progress is not None:
             progress()

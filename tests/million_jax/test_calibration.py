@@ -90,3 +90,28 @@ def test_fit_in_chunks_reports_progress_and_matches_one_fit():
     fit_kv_codebooks(pooled, pooled, M=2, nbits=2, key=key, iters=2, groups_per_fit=5,
                      progress=lambda d, t: steps.append((d, t)))
     assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]                        # 10 groups -> 2 fits each
+
+
+@pytest.mark.parametrize("max_vectors", [440, 300])
+def test_sample_weights_steer_kmeans_and_follow_their_rows(max_vectors):
+    """Points at -1 (200), +1 (200) and 20 (40), K = 2: unweighted k-means puts the centroids
+    at about 0 and 20; with the -1 cluster weighted 0 at 1 and 20 (also after subsampling, which
+    must keep each weight with its vector). Value weights are independent of key weights."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.full(200, -1.0), np.full(200, 1.0), np.full(40, 20.0)]) + 0.01 * rng.normal(size=440)
+    perm = rng.permutation(440)
+    pts = np.stack([x, np.zeros_like(x)], -1)[perm].astype(np.float32)[None, None]  # [1, 1, 440, 2]
+    w = (x > -0.5).astype(np.float32)[perm][None, None]
+    fit = lambda **kw: fit_kv_codebooks(pts, pts, M=1, nbits=1, key=jax.random.PRNGKey(1),  # noqa: E731
+                                        max_vectors=max_vectors, iters=20, **kw)
+    books = fit(key_weights=w)
+    key_c = np.sort(np.asarray(books.key.centroids)[..., 0].ravel())
+    value_c = np.sort(np.asarray(books.value.centroids)[..., 0].ravel())
+    np.testing.assert_allclose(key_c, [1.0, 20.0], atol=0.05)
+    np.testing.assert_allclose(value_c, [0.0, 20.0], atol=0.15)
+    plain = np.sort(np.asarray(fit().key.centroids)[..., 0].ravel())
+    np.testing.assert_allclose(plain, [0.0, 20.0], atol=0.15)
+    for bad, match in ((-w, ">= 0"), (w[..., :-1], r"float\[L, Hkv, N\]"), (0 * w, "all zero"),
+                       (np.where(w > 0, np.nan, 0), "finite")):
+        with pytest.raises(ValueError, match=match):
+            fit(key_weights=bad)
