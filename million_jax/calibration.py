@@ -132,9 +132,9 @@ def fit_kv_codebooks(
     ``stages`` > 1: residual PQ (:mod:`million_jax.residual_pq`), M sub-vectors per stage,
     each stage fitted on what the previous ones leave; the result holds S * M codes per vector.
 
-    ``key_weights`` / ``value_weights``: float[L, Hkv, N] per-vector k-means weights (e.g.
-    :func:`million_jax.attention_mass.attention_mass_weights`), pooled and subsampled with
-    their vectors; None: every vector counts once.
+    ``key_weights`` / ``value_weights``: float[L, Hkv, N] per-vector k-means weights (e.g. the
+    attention each token receives: ``benchmarks/attention_mass_weights.py``), pooled and
+    subsampled with their vectors; None: every vector counts once.
 
     The codebook groups are fitted ``groups_per_fit`` at a time (:func:`fit_in_chunks`);
     ``progress(done, total)`` is called after each such fit (it may raise to stop).

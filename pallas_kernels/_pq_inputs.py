@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.code_packing import MAX_PACKED_BITS, codebook_nbits, is_packed, packed_width
+from pallas_kernels.code_packing import codebook_nbits, is_packed
 
 __all__ = ["PQDims", "check_pq_inputs", "is_power_of_two"]
 
@@ -107,12 +107,8 @@ def check_pq_inputs(
         width = c_shape[3]
         try:
             is_packed_codes = is_packed(width, m, nbits)
-        except ValueError:
-            raise ValueError(
-                f"{name} shape {shape} does not fit {codes_name} [..., {width}]: expected M={m} codes per token"
-                + (f" or {packed_width(m, nbits)} bytes of packed {nbits}-bit codes" if nbits != 8 and nbits
-                   <= MAX_PACKED_BITS else "")
-            ) from None
+        except ValueError as e:
+            raise ValueError(f"{name} shape {shape} does not fit {codes_name} [..., {width}]: {e}") from None
         if is_packed_codes and c_dtype != np.uint8:
             raise ValueError(f"packed {codes_name} must be uint8, got dtype {c_dtype}")
         max_k = 1 << (8 * c_dtype.itemsize) if not is_packed_codes else 1 << nbits

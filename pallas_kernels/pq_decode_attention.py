@@ -131,7 +131,8 @@ def _pq_attention_kernel(
         if packed_bits:
             # Packed codes: code m's bytes are read by pointer loads (integer-array indexing of
             # the ref; rows past `hi` re-read row hi - 1, scored -inf below) and assembled with
-            # the shared bit arithmetic of pallas_kernels.code_packing.
+            # the shared bit arithmetic of pallas_kernels.code_packing. First byte and shift are
+            # code_bytes' layout, computed from an iota (array constants do not lower).
             width = ref.shape[1]
             _, _, window = code_bytes(num_sub, packed_bits)
             rows = jnp.broadcast_to(jnp.minimum(t0 + t_idx, hi - 1)[:, None], (block_t, num_sub))

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._compat import export_for_cuda
-from pallas_kernels.code_packing import packed_width
+from pallas_kernels.code_packing import stored_width
 
 __all__ = ["capture_ttir", "compile_ttir", "report"]
 
@@ -100,7 +100,7 @@ def _specs(b: int, h: int, hkv: int, d: int, m: int, t: int, nbits: int = 8, g: 
     """Kernel inputs; codes of nbits != 8 packed at their real width."""
     s = jax.ShapeDtypeStruct
     k = 2**nbits
-    w = m if nbits == 8 else packed_width(m, nbits)
+    w = stored_width(m, nbits)
     return (s((b, h, d), jnp.bfloat16), s((b, hkv, t, w), jnp.uint8), s((b, hkv, t, w), jnp.uint8),
             s((g, m, k, d // m), jnp.float32), s((g, m, k, d // m), jnp.float32),
             s((b,), jnp.int32), s((b,), jnp.int32))
