@@ -18,8 +18,8 @@ from million_app.calibrate import calibration_kvq_samples
 from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
 from million_app.perplexity import evaluate
-from million_jax.calibration import fit_kv_codebooks
-from million_jax.kv_transforms import query_aware_key_transform
+from million_jax.calibration.fit import fit_kv_codebooks
+from million_jax.quant.kv_transforms import query_aware_key_transform
 
 out_path = sys.argv[1]
 variants = sys.argv[2].split(";")  # e.g. "none;1,0.1;2,0.1"

@@ -29,7 +29,7 @@ from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
 from million_app.perplexity import evaluate
 from million_app.recipes import RECIPES, fit_recipe
-from million_jax.codebook_finetune import FinetuneSettings, finetune_codebooks, layer_errors
+from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks, layer_errors
 
 
 def main() -> None:

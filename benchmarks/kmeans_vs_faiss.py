@@ -31,8 +31,8 @@ import numpy as np
 
 from _results import write_results
 from c_lloyd import c_lloyd
-from million_jax.kmeans import assign, kmeans
-from million_jax.pq import encode, decode, fit_codebooks
+from million_jax.quant.kmeans import assign, kmeans
+from million_jax.quant.pq import encode, decode, fit_codebooks
 
 
 def kv_like(n: int, d: int, seed: int, outlier_channels: int = 4) -> np.ndarray:

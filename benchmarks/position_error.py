@@ -24,8 +24,8 @@ from million_app.calibrate import collect_model_kv, load_model_codebooks
 from million_app.corpus import read_text
 from million_app.loading import open_model, tokenize
 from million_app.report import write_json
-from million_jax.kv_transforms import inverse, transform_rows
-from million_jax.residual_pq import decode_stages, encode_stages
+from million_jax.quant.kv_transforms import inverse, transform_rows
+from million_jax.quant.residual_pq import decode_stages, encode_stages
 
 
 def _by_bucket(x: np.ndarray, xhat: np.ndarray, bucket: int) -> list[float]:

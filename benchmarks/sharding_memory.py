@@ -55,7 +55,7 @@ from million_jax import sharding as S  # noqa: E402
 from million_jax.cache.dense import DenseCache  # noqa: E402
 from million_jax.cache.pq_cache import PQCache, PQCodebooks  # noqa: E402
 from million_jax.cache.uniform_cache import UniformCache  # noqa: E402
-from million_jax.pq import Codebooks  # noqa: E402
+from million_jax.quant.pq import Codebooks  # noqa: E402
 from models import LlamaConfig, decode_step, init_params, preset  # noqa: E402
 
 GIB = 1024 ** 3

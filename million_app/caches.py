@@ -33,7 +33,7 @@ from million_app.errors import UsageError
 from million_jax.cache.dense import DenseCache
 from million_jax.cache.spec import CacheSpec, make_cache
 from million_jax.cache.uniform_cache import UniformCache
-from million_jax.pq_codebooks import PQCodebooks
+from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.cache.pq_cache import PQCache
 
 KINDS = ("dense", "pq", "uniform")
@@ -51,7 +51,7 @@ def dense_dtype_runs(dtype_name: str) -> bool:
     """
     if dtype_name == "float32":
         return True
-    from million_jax.attention import causal_attention
+    from million_jax.attention.exact import causal_attention
 
     dt = DTYPES[dtype_name]
     b, t, h, hkv, d = 2, 128, 4, 2, 64  # large enough for XLA to emit real dot calls

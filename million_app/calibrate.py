@@ -16,10 +16,10 @@ from million_app.errors import UsageError
 from million_app.progress import bar
 from million_app.query_sample import QueryRecordCache
 from million_app.report import atomic_path, check_out_dir
-from million_jax.pq_codebooks import PQCodebooks
+from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.cache.query_stats import QueryStatsCache
-from million_jax.calibration import DEFAULT_MAX_VECTORS, collect_kv, collect_query_gram, fit_kv_codebooks
-from million_jax.codebook_io import CodebookFileError, load_kv_codebooks, save_kv_codebooks
+from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, collect_kv, collect_query_gram, fit_kv_codebooks
+from million_jax.quant.codebook_io import CodebookFileError, load_kv_codebooks, save_kv_codebooks
 from models import LoadedModel, prefill
 
 
@@ -254,7 +254,7 @@ def collect_model_kvq_samples(model: LoadedModel, ids: Sequence[int], *, window:
     the queries of S = ``queries_per_window`` positions per window, drawn uniformly without
     replacement per window (``seed``), grouped by the KV head their query head reads (query
     head h = kv * G + g, as the model groups them); q_pos int32[W * S] their token index in
-    [0, N), window by window (what :mod:`million_jax.codebook_finetune` takes).
+    [0, N), window by window (what :mod:`million_jax.calibration.finetune` takes).
     """
     c = model.config
     if not 1 <= queries_per_window <= window:

@@ -1,6 +1,6 @@
 """QueryRecordCache: the calibration cache that also keeps the raw post-RoPE queries.
 
-Codebook fine-tuning (:mod:`million_jax.codebook_finetune`) needs real queries, not only the
+Codebook fine-tuning (:mod:`million_jax.calibration.finetune`) needs real queries, not only the
 Gram sums that ``QueryStatsCache`` keeps. This cache wraps a ``QueryStatsCache`` layer (so the
 keys, values and Gram sums are exactly what calibration collects today) and writes the queries
 the model hands to ``attend`` into a buffer, through the public cache protocol: no change to

@@ -8,10 +8,10 @@ A recipe is what ``million-jax calibrate --bits B`` fits without the user choosi
     output_aware              values fitted on B v, B = (sum Wo_h Wo_h^T)^(1/2) per KV head
     finetune_steps            > 0: the k-means centroids are then fine-tuned with that many Adam
                               steps per layer on the attention-output error over calibration
-                              (q, k, v) (:mod:`million_jax.codebook_finetune`); needs query samples
+                              (q, k, v) (:mod:`million_jax.calibration.finetune`); needs query samples
     finetune_reassign         0: codes fixed at the k-means assignment during fine-tuning;
                               n > 0: re-encoded every n steps
-    stages                    > 1: residual PQ (:mod:`million_jax.residual_pq`), each stage a
+    stages                    > 1: residual PQ (:mod:`million_jax.quant.residual_pq`), each stage a
                               PQ of the given dsub / nbits on what the previous stages left
 
 Stored bits per element (keys and values together) = stages * (key_nbits / key_dsub +
@@ -39,10 +39,10 @@ import jax
 import numpy as np
 
 from million_app.errors import UsageError
-from million_jax.calibration import DEFAULT_MAX_VECTORS, fit_kv_codebooks
-from million_jax.codebook_finetune import FinetuneSettings, finetune_codebooks
-from million_jax.kv_transforms import output_value_transform, query_aware_key_transform
-from million_jax.pq_codebooks import PQCodebooks
+from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks
+from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
+from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform
+from million_jax.quant.kv_codebooks import PQCodebooks
 
 __all__ = ["Recipe", "RECIPES", "BEST_FOR_BITS", "recipe_for_bits", "fit_recipe"]
 

@@ -12,7 +12,7 @@ import jax
 
 from million_app.errors import UsageError
 from million_app.progress import check_cancelled
-from million_jax.files import atomic_file
+from million_jax.quant.atomic_file import atomic_file
 
 
 def human_bytes(n: float) -> str:
@@ -73,7 +73,7 @@ def remove_partial_files() -> None:
 def atomic_path(path: str, flag: str) -> Iterator[str]:
     """``with atomic_path(out, "--out") as tmp:`` write ``tmp``; it replaces ``out`` at the end.
 
-    :func:`million_jax.files.atomic_file` (mode kept or umask default), plus: a Ctrl-C before
+    :func:`million_jax.quant.atomic_file.atomic_file` (mode kept or umask default), plus: a Ctrl-C before
     the replace removes the temporary file and leaves ``out`` as it was, and an OSError
     becomes one UsageError line naming ``flag``.
     """

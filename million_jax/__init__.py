@@ -9,9 +9,9 @@ Public API (re-exported here):
   attention:      pq_code_attention (the one kernel-dispatch point)
   calibration:    collect_kv, fit_kv_codebooks
 """
-from million_jax.codebook_io import CodebookFileError, load_codebooks, save_codebooks
-from million_jax.kmeans import KMeansResult, kmeans
-from million_jax.pq import (
+from million_jax.quant.codebook_io import CodebookFileError, load_codebooks, save_codebooks
+from million_jax.quant.kmeans import KMeansResult, kmeans
+from million_jax.quant.pq import (
     Codebooks,
     bits_per_element,
     code_dtype,
@@ -21,12 +21,12 @@ from million_jax.pq import (
     reconstruction_mse,
     storage_bits_per_element,
 )
-from million_jax.pq_codebooks import GRANULARITIES, PQCodebooks
+from million_jax.quant.kv_codebooks import GRANULARITIES, PQCodebooks
 from million_jax.cache import (CacheOverflowError, DenseCache, DenseLayer, KVCache, LayerState, PQCache, PQLayer, UniformCache,
                                UniformLayer)
 from million_jax.cache.spec import CACHE_KINDS, CacheShape, CacheSpec, make_cache
-from million_jax.calibration import collect_kv, fit_kv_codebooks
-from million_jax.kernel_dispatch import pq_code_attention
+from million_jax.calibration.fit import collect_kv, fit_kv_codebooks
+from million_jax.attention.pq_dispatch import pq_code_attention
 
 __all__ = [
     "CACHE_KINDS",

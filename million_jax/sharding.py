@@ -74,7 +74,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from million_jax.cache.pq_cache import PQCache
-from million_jax.kernel_dispatch import KernelMesh
+from million_jax.attention.pq_dispatch import KernelMesh
 
 __all__ = [
     "DATA",
@@ -342,7 +342,7 @@ def shard_cache(cache: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> PyTr
 
     A PQ cache also records how its codes are split (a ``KernelMesh`` in its layer state),
     so that decode steps run the Pallas kernel per shard under ``shard_map`` instead of
-    gathering the cache (``million_jax.kernel_dispatch``).
+    gathering the cache (``million_jax.attention.pq_dispatch``).
     """
     if isinstance(cache, PQCache):
         codes = cache.layers.k_codes  # [L, B, Hkv, T, M]

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.nnx import initializers
 
-from million_jax.attention import causal_attention, einsum_f32
+from million_jax.attention.exact import causal_attention, einsum_f32
 from million_jax.cache.base import CacheOverflowError, KVCache
 from million_jax.cache.dense import DenseCache
 from models.config import LlamaConfig

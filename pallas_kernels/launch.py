@@ -18,7 +18,7 @@ GPU (benchmarks/gpu_attention.py exposes every knob), not measured optima.
   gathers in flight per program; occupancy comes from several programs per SM instead.
 * num_stages = 2: lets Triton prefetch the next tile's codes while the current tile's
   gathers run, without the shared memory of deeper pipelines.
-* Static check (pallas_kernels.triton_compile_check: pip `triton` 3.9 compiling the TTIR
+* Static check (tests/pallas_kernels/triton_compile_check.py: pip `triton` 3.9 compiling the TTIR
   for sm_90a on CPU; LLaMA-3 heads, GQA 4, d 128, M 64): the default uses 128-132
   registers, no spills, 40 KB shared memory with bf16 codebooks (72 KB with fp32), i.e.
   3-4 programs per SM. block_t=32 / num_stages=3 uses 80 registers and 25-42 KB (5-6

@@ -8,7 +8,7 @@ one codebook per KV head, or ``G = 1`` shared) that broadcast against the codes'
     build_lut          LUT[m, j] = q_m . C_m[j] for each query row (MILLION's lookup table)
     lut_scores         score = sum_m LUT[m, code_m] for each key (no dequantization)
 
-Used by ``million_jax.pq`` (encode/decode), the xla attention-from-codes path and the Pallas
+Used by ``million_jax.quant.pq`` (encode/decode), the xla attention-from-codes path and the Pallas
 kernel's reference.
 """
 

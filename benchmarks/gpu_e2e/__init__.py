@@ -11,7 +11,7 @@ nothing, reads nothing from the network):
     prompt prefilled into a DenseCache -> ``collect_kv`` -> ``fit_kv_codebooks``);
   * grid: batch 1 and 8 x contexts 4K, 16K, 32K, 64K, ordered so the headline rows (batch 1
     at 32K and 4K, both models) run first;
-  * the project's k-means (``million_jax.pq.fit_codebooks``) on 1M vectors, d=128, M=64,
+  * the project's k-means (``million_jax.quant.pq.fit_codebooks``) on 1M vectors, d=128, M=64,
     nbits=8, 25 iterations.
 
 Per row (model, batch, context, cache):

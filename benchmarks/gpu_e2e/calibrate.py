@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from million_jax.calibration import collect_kv, fit_kv_codebooks
-from million_jax.pq import decode, encode
+from million_jax.calibration.fit import collect_kv, fit_kv_codebooks
+from million_jax.quant.pq import decode, encode
 from models import prefill
 
 from .caches import dense_prefix, make_cache, min_length

@@ -1,4 +1,4 @@
-"""The project's k-means (``million_jax.pq.fit_codebooks``) timed on the device."""
+"""The project's k-means (``million_jax.quant.pq.fit_codebooks``) timed on the device."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from million_jax.pq import Codebooks, fit_codebooks, reconstruction_mse
+from million_jax.quant.pq import Codebooks, fit_codebooks, reconstruction_mse
 
 from .memory import failure_status, short_error
 from .report import new_row

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .cli import Settings
     from .runner import ModelState
 
-PQ_PREFILL_TILE = 512  # keys per step of the xla PQ attention (million_jax.pq_attention's tile)
+PQ_PREFILL_TILE = 512  # keys per step of the xla PQ attention (million_jax.attention.pq_xla's tile)
 
 
 def prefill_chunk(batch: int, context: int, keys: int, n_heads: int, score_bytes: int) -> int:

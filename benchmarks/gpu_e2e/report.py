@@ -140,7 +140,7 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: str
                          f"V {r['calib_rel_mse_v']:.3f}.")
         if r["kind"] == "kmeans":
             if r["status"] == "ok":
-                lines.append(f"- k-means (million_jax.pq.fit_codebooks): {r['n_vectors']} vectors, d={r['dim']}, "
+                lines.append(f"- k-means (million_jax.quant.pq.fit_codebooks): {r['n_vectors']} vectors, d={r['dim']}, "
                              f"M={r['M']}, nbits={r['nbits']}, {r['iters']} iterations: {r['seconds']:.2f}s "
                              f"({1e3 * r['seconds_per_iter']:.0f} ms / iteration; first call incl. compile "
                              f"{r['first_call_seconds']:.2f}s), reconstruction MSE {r['reconstruction_mse']:.4f}.")

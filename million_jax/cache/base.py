@@ -19,7 +19,7 @@ the loop::
 Why read first and write after the loop: a cache buffer written and then read in the same
 loop iteration (or a layer sliced out and written back) makes XLA copy it, an O(T_max) cost
 per layer and step (``benchmarks/carry_copy_cpu.py``). So attention reads only what was
-stored before the call, through a :class:`~million_jax.layer_slice.LayerSlice` view of the
+stored before the call, through a :class:`~million_jax.attention.layer_slice.LayerSlice` view of the
 stacked arrays (``layers.view(i)``), plus the call's own new tokens as a separate part merged
 by log-sum-exp; the new rows ride out of the loop as small scan outputs.
 
@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from million_jax.layer_slice import LayerSlice
+from million_jax.attention.layer_slice import LayerSlice
 
 PyTree = Any
 # field name -> (rows int32[B, R], vals [B, R, Hkv, ...]) scattered, or a whole new value

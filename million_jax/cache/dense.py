@@ -7,7 +7,7 @@ State (``DenseLayer``, stacked over layers so the model can scan):
 
 New tokens are written with a scatter in ``mode="drop"``: padding rows of a ragged prefill
 and anything at a position ``>= T_max`` are discarded, never written out of bounds.
-Attention is exact: the stored tokens (``million_jax.attention.tiled_dense_attention``,
+Attention is exact: the stored tokens (``million_jax.attention.exact.tiled_dense_attention``,
 walked in tiles up to the longest sequence of the batch, so a step costs in proportion to
 the tokens stored, not to T_max) and the call's new tokens, merged by log-sum-exp.
 """
@@ -20,7 +20,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from million_jax.attention import new_token_attention, tiled_dense_attention
+from million_jax.attention.exact import new_token_attention, tiled_dense_attention
 from million_jax.cache.base import (CACHE_DIMS, KVCache, LayerState, Writes, check_cache_args, kept_tokens,
                                     register_cache, token_rows)
 from pallas_kernels.softmax import merge_partials

@@ -11,21 +11,21 @@ State (``PQLayer``, stacked over layers; a registered dataclass pytree donated a
     lengths:           int32[B]                            (on the PQCache)
 
 Codebooks are NOT part of the state: they are a separate, constant
-:class:`~million_jax.pq_codebooks.PQCodebooks` passed as ``cache_consts`` (so donating the
+:class:`~million_jax.quant.kv_codebooks.PQCodebooks` passed as ``cache_consts`` (so donating the
 cache never donates them), already laid out per layer. Keys are encoded after RoPE, so
 q . k is a LUT sum.
 
 Key / value transforms of the codebooks (query-aware keys, output-aware values;
-:mod:`million_jax.kv_transforms`) are applied here and only here: new keys / values are
+:mod:`million_jax.quant.kv_transforms`) are applied here and only here: new keys / values are
 mapped before encoding, the query before the code attention and the code attention's output
 after it, so the attention paths and the kernel see plain PQ. Residual codebooks
-(``PQCodebooks.stages`` > 1, :mod:`million_jax.residual_pq`) are handled here too: the stages'
+(``PQCodebooks.stages`` > 1, :mod:`million_jax.quant.residual_pq`) are handled here too: the stages'
 codes sit side by side in k_codes / v_codes, the query is tiled over the stages and the output
 folded back, so the attention paths again see plain PQ.
 
 Each appended token is encoded once (constant cost per step, no flush spikes). Attention
 (see :mod:`million_jax.cache.window`) reads sinks and the sliding window of the last W
-positions exactly and everything else from codes (:mod:`million_jax.kernel_dispatch`
+positions exactly and everything else from codes (:mod:`million_jax.attention.pq_dispatch`
 decides between the Pallas kernel and the xla path for the stored codes; the call's own
 tokens are read from their decoded codes), merged by log-sum-exp. Attention reads the
 cache as it was before the call; the new codes are written afterwards
@@ -47,15 +47,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from million_jax.attention import tiled_dense_attention
+from million_jax.attention.exact import tiled_dense_attention
 from million_jax.cache.base import CACHE_DIMS, Writes, check_cache_args, kept_tokens, register_cache, token_rows
 from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
 from pallas_kernels.code_packing import is_packed, pack_codes, stored_width
-from million_jax.kernel_dispatch import KernelMesh, check_impl, pq_code_attention
-from million_jax.kv_transforms import apply_head_transform
-from million_jax.pq import Codebooks, code_dtype
-from million_jax.pq_codebooks import PQCodebooks
-from million_jax.residual_pq import check_stages, encode_stages, fold_output, tile_query
+from million_jax.attention.pq_dispatch import KernelMesh, check_impl, pq_code_attention
+from million_jax.quant.kv_transforms import apply_head_transform
+from million_jax.quant.pq import Codebooks, code_dtype
+from million_jax.quant.kv_codebooks import PQCodebooks
+from million_jax.quant.residual_pq import check_stages, encode_stages, fold_output, tile_query
 from pallas_kernels.pq_math import gather_centroids
 from pallas_kernels.softmax import merge_partials
 
@@ -90,7 +90,7 @@ class PQLayer(ExactWindowLayer):
         """q float[B, T, H, d] over the stored tokens and the new k, v (float[B, T, Hkv, d]).
 
         consts: this layer's codebooks (centroids float32[G, M, K, dsub]). Stored codes are read
-        by :func:`~million_jax.kernel_dispatch.pq_code_attention`; the call's own tokens are
+        by :func:`~million_jax.attention.pq_dispatch.pq_code_attention`; the call's own tokens are
         encoded, and where they fall in the code region read from their decoded codes.
         Returns (out float[B, T, H, d] in q.dtype, the writes of their codes and exact rows).
         """
@@ -105,7 +105,7 @@ class PQLayer(ExactWindowLayer):
         new_vc = _encode(consts.value, v, consts.value_transform, stages)
         lo, hi = self.code_region(pos, lengths + n_new)
         qc = q if consts.query_transform is None else apply_head_transform(q, consts.query_transform)
-        qc = tile_query(qc, stages)  # residual codes read as plain PQ (million_jax.residual_pq)
+        qc = tile_query(qc, stages)  # residual codes read as plain PQ (million_jax.quant.residual_pq)
         stored = pq_code_attention(qc, self.k_codes, self.v_codes, kcb, vcb, lo, jnp.minimum(hi, lengths[:, None]),
                                    impl=self.impl, mesh=self.mesh, scale=scale)
         fresh = tiled_dense_attention(qc, gather_centroids(kcb, new_kc), gather_centroids(vcb, new_vc),
@@ -153,7 +153,7 @@ class PQCache(ExactWindowCache):
         """An empty cache; ``window`` (W) and ``sinks`` (S) may be 0.
 
         M / nbits are the keys' budget; value_M / value_nbits the values' (default: the keys').
-        ``stages`` > 1: residual codebooks (:mod:`million_jax.residual_pq`); M and value_M
+        ``stages`` > 1: residual codebooks (:mod:`million_jax.quant.residual_pq`); M and value_M
         then count the codes of all stages (M / stages sub-vectors per stage).
         ``pack`` (default True): codes of nbits other than 8 stored packed at their real width
         (uint8[..., ceil(M * nbits / 8)]); False: one per uint8 (nbits < 8) / uint16 (nbits > 8).

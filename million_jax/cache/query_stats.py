@@ -1,6 +1,6 @@
 """QueryStatsCache: a DenseCache that also sums q q^T of the queries each KV head serves.
 
-Calibration of query-aware key codebooks (:mod:`million_jax.kv_transforms`) needs
+Calibration of query-aware key codebooks (:mod:`million_jax.quant.kv_transforms`) needs
 ``E[q q^T]`` over the post-RoPE queries of the query heads that read a KV head. Running the
 calibration text through any model with this cache gives it, with no change to the model:
 the cache protocol hands the attention block's (q, k, v) to ``attend``.

@@ -20,8 +20,8 @@ from million_jax.cache.base import KVCache
 from million_jax.cache.dense import DenseCache
 from million_jax.cache.pq_cache import PQCache
 from million_jax.cache.uniform_cache import UniformCache
-from million_jax.kernel_dispatch import check_impl
-from million_jax.pq_codebooks import PQCodebooks
+from million_jax.attention.pq_dispatch import check_impl
+from million_jax.quant.kv_codebooks import PQCodebooks
 
 __all__ = ["CACHE_KINDS", "CacheShape", "CacheSpec", "make_cache"]
 

@@ -1,6 +1,6 @@
 """UniformCache: KIVI-style asymmetric integer quantization of the KV cache (the baseline).
 
-Modes (math in :mod:`million_jax.uniform_quant`):
+Modes (math in :mod:`million_jax.quant.uniform`):
 
     kivi        keys per channel in groups of G tokens, values per token in groups of
                 G channels; bits 2, 4 or 8
@@ -37,7 +37,7 @@ touched groups (at most T + G - 1 rows), takes per-row prefix min/max inside
 each group (cummin / cummax), stores each group with the stats of its last
 row, and lets every query dequantize the <= G keys of its own group with the
 stats of its own row: a small extra attention part (G*d work per query, run
-in chunks of ``CURRENT_CHUNK`` queries; :mod:`million_jax.uniform_attention`) merged by
+in chunks of ``CURRENT_CHUNK`` queries; :mod:`million_jax.attention.uniform_xla`) merged by
 log-sum-exp.
 
 Attention for a query at position p: sinks (s < S) and the window
@@ -61,13 +61,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from million_jax.attention import tiled_dense_attention
+from million_jax.attention.exact import tiled_dense_attention
 from million_jax.cache.base import (CACHE_DIMS, Writes, check_cache_args, kept_tokens, register_cache, token_rows,
                                     write_rows)
 from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
-from million_jax.layer_slice import take_rows
-from million_jax.uniform_attention import current_group_attention, uniform_attention
-from million_jax.uniform_quant import (
+from million_jax.attention.layer_slice import take_rows
+from million_jax.attention.uniform_xla import current_group_attention, uniform_attention_xla
+from million_jax.quant.uniform import (
     KVBits,
     bits_per_element,
     check_settings,
@@ -95,7 +95,7 @@ def _kivi_key_writes(layer, k, lengths, end, *, bits, group, dtype):
     lengths: int32[B] before the append; end: int32[B] = min(lengths + n_new, T_max).
     Returns (writes, window): window = (xw, ps, pz, kw, base) with xw float32[B, Hkv, NW, d] the
     exact keys of the touched groups (row r is position base + r), ps / pz their prefix
-    stats (feeds :func:`~million_jax.uniform_attention.current_group_attention`) and kw
+    stats (feeds :func:`~million_jax.attention.uniform_xla.current_group_attention`) and kw
     float32[B, Hkv, NW, d] the keys as their codes will read back (final stats of each group).
     """
     k_stage = layer.k_stage
@@ -239,7 +239,7 @@ class UniformLayer(ExactWindowLayer):
 
     def _stored_attention(self, q, lo, hi, scale):
         """(out, lse) of q over the stored codes of tokens lo <= s < hi (int32[B, T])."""
-        return uniform_attention(q, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale,
+        return uniform_attention_xla(q, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale,
                                  self.v_zero, lo, hi, bits=self.bits, key_rows=self.key_rows, tile=self.tile,
                                  scale=scale)
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from typing import Any
 
-from million_jax.attention import attention
+from million_jax.attention.exact import attention
 from million_jax.cache.base import KVCache, LayerState, Writes
 
 __all__ = ["ExactWindowCache", "ExactWindowLayer", "empty_window", "window_writes", "exact_window_attention"]

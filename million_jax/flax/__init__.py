@@ -4,7 +4,7 @@
     from million_jax.flax import PQMultiHeadDotProductAttention  # for linen.MultiHeadDotProductAttention
 
 Codebooks come from the user's own model (:func:`calibrate_nnx`, :func:`calibrate_linen`) or
-from a file (``million_jax.codebook_io.load_kv_codebooks``, e.g. of ``million-jax calibrate``).
+from a file (``million_jax.quant.codebook_io.load_kv_codebooks``, e.g. of ``million-jax calibrate``).
 """
 from million_jax.flax.linen_attention import (CODEBOOK_COLLECTION, PQMultiHeadDotProductAttention, calibrate_linen,
                                               linen_codebooks, linen_pq_layers)

@@ -32,10 +32,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import traverse_util
 
-from million_jax.calibration import DEFAULT_MAX_VECTORS
+from million_jax.calibration.fit import DEFAULT_MAX_VECTORS
 from million_jax.flax.pq_layer import (CACHE_FIELDS, PQSettings, attend_pq, check_layer_books, empty_pq_cache,
                                        fit_layers, select_layer)
-from million_jax.pq_codebooks import PQCodebooks
+from million_jax.quant.kv_codebooks import PQCodebooks
 
 __all__ = ["CALIBRATION_COLLECTION", "CODEBOOK_COLLECTION", "PQMultiHeadDotProductAttention", "calibrate_linen",
            "linen_codebooks", "linen_pq_layers"]

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from million_jax.calibration import DEFAULT_MAX_VECTORS
+from million_jax.calibration.fit import DEFAULT_MAX_VECTORS
 from million_jax.flax.pq_layer import (CACHE_FIELDS, PQSettings, attend_pq, check_layer_books, empty_pq_cache,
                                        fit_layers, select_layer)
-from million_jax.pq_codebooks import PQCodebooks
+from million_jax.quant.kv_codebooks import PQCodebooks
 
 __all__ = ["PQCodebook", "PQMultiHeadAttention", "attach_codebooks", "calibrate_nnx", "pq_layers"]
 

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from million_jax.cache.pq_cache import PQCache, PQLayer
-from million_jax.kernel_dispatch import check_impl
-from million_jax.calibration import DEFAULT_MAX_VECTORS, fit_kv_codebooks
-from million_jax.pq import Codebooks
-from million_jax.pq_codebooks import PQCodebooks
+from million_jax.attention.pq_dispatch import check_impl
+from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks
+from million_jax.quant.pq import Codebooks
+from million_jax.quant.kv_codebooks import PQCodebooks
 
 __all__ = ["CACHE_FIELDS", "PQSettings", "attend_pq", "check_layer_books", "empty_pq_cache", "fit_layers",
            "select_layer"]

@@ -9,7 +9,7 @@ import pytest
 
 from million_app.calibrate import model_fingerprint
 from million_app.corpus import read_text, text_hash
-from million_jax.codebook_io import load_codebooks
+from million_jax.quant.codebook_io import load_codebooks
 from models import forward, load_model
 
 EVAL = ("--text", "builtin:eval", "--quiet")

@@ -10,8 +10,8 @@ from million_app.errors import UsageError
 from million_app.flags import load_text
 from million_app.loading import tokenize
 from million_app.recipes import RECIPES, fit_recipe
-from million_jax.codebook_finetune import layer_errors
-from million_jax.codebook_io import load_codebooks
+from million_jax.calibration.finetune import layer_errors
+from million_jax.quant.codebook_io import load_codebooks
 from models import load_model
 
 WINDOW = 128

@@ -6,7 +6,7 @@ import pytest
 
 from million_app.calibrate import load_model_codebooks
 from million_app.recipes import BEST_FOR_BITS, RECIPES
-from million_jax.codebook_io import load_codebooks
+from million_jax.quant.codebook_io import load_codebooks
 from models import load_model
 from conftest import one_error_line
 

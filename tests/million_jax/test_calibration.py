@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from million_jax.cache.dense import DenseCache, DenseLayer
-from million_jax.calibration import collect_kv, fit_kv_codebooks
+from million_jax.calibration.fit import collect_kv, fit_kv_codebooks
 
 
 def test_collect_kv_takes_valid_tokens_only():
@@ -65,8 +65,8 @@ def test_subsampling_bounds_vectors_and_errors():
 
 
 def test_fit_in_chunks_reports_progress_and_matches_one_fit():
-    from million_jax.calibration import fit_in_chunks
-    from million_jax.pq import fit_codebooks
+    from million_jax.calibration.fit import fit_in_chunks
+    from million_jax.quant.pq import fit_codebooks
 
     rng = np.random.default_rng(3)
     pooled = rng.standard_normal((5, 2, 64, 4)).astype(np.float32)           # G = (5, 2)

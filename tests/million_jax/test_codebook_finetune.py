@@ -1,15 +1,15 @@
-"""Codebook fine-tuning on the attention-output error (million_jax.codebook_finetune)."""
+"""Codebook fine-tuning on the attention-output error (million_jax.calibration.finetune)."""
 from __future__ import annotations
 
 import jax
 import numpy as np
 import pytest
 
-from million_jax.codebook_finetune import (FinetuneSettings, LayerTransforms, attention_output_error,
+from million_jax.calibration.finetune import (FinetuneSettings, LayerTransforms, attention_output_error,
                                            finetune_codebooks, finetune_layer, layer_errors)
-from million_jax.kv_transforms import inverse, inverse_transpose
-from million_jax.pq import Codebooks, decode, encode, fit_codebooks
-from million_jax.pq_codebooks import PQCodebooks
+from million_jax.quant.kv_transforms import inverse, inverse_transpose
+from million_jax.quant.pq import Codebooks, decode, encode, fit_codebooks
+from million_jax.quant.kv_codebooks import PQCodebooks
 
 HKV, G, D, T, W, S = 2, 2, 8, 32, 6, 8
 M, NBITS = 4, 4

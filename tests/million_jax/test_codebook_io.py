@@ -5,8 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from million_jax.codebook_io import CodebookFileError, load_codebooks, save_codebooks
-from million_jax.pq import Codebooks, fit_codebooks
+from million_jax.quant.codebook_io import CodebookFileError, load_codebooks, save_codebooks
+from million_jax.quant.pq import Codebooks, fit_codebooks
 
 
 @pytest.fixture()

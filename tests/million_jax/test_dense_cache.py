@@ -1,4 +1,4 @@
-"""DenseCache and the shared attention helper (million_jax/attention.py)."""
+"""DenseCache and the shared attention helper (million_jax/attention/exact.py)."""
 from __future__ import annotations
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cache_layer_step import attend_layer0
-from million_jax import attention as attn_mod
+from million_jax.attention import exact as attn_mod
 from million_jax.cache.base import KVCache
 from million_jax.cache.dense import DenseCache
 from pallas_kernels.softmax import merge_partials

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from million_jax.codebook_io import load_kv_codebooks, save_kv_codebooks
+from million_jax.quant.codebook_io import load_kv_codebooks, save_kv_codebooks
 from million_jax.flax import PQCodebook, PQMultiHeadAttention, attach_codebooks, calibrate_nnx, pq_layers
 
 from flax_models import (D_MODEL, HEADS, VOCAB, NNXDecoder, assert_nearest_codes, project, random_books, stored_codes,

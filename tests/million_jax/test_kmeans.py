@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from million_jax.kmeans import assign, kmeans
+from million_jax.quant.kmeans import assign, kmeans
 
 
 def _blobs(seed, n_per=200, k=4, d=3, spread=10.0):
@@ -64,7 +64,7 @@ def test_batched_equals_individual():
     key = jax.random.PRNGKey(0)
     batched = kmeans(x, 8, key=key, iters=6)
     keys = jax.random.split(key, 3)
-    from million_jax.kmeans import _kmeans_single
+    from million_jax.quant.kmeans import _kmeans_single
 
     for i in range(3):
         single = _kmeans_single(keys[i], jnp.asarray(x[i]), jnp.ones(256), 8, 6, None, 8192, 256)

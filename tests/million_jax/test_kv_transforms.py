@@ -11,12 +11,12 @@ import pytest
 
 from million_jax.cache.pq_cache import PQCache
 from million_jax.cache.query_stats import QueryStatsCache
-from million_jax.calibration import collect_query_gram
-from million_jax.codebook_io import load_kv_codebooks, save_kv_codebooks
-from million_jax.kernel_dispatch import dispatch_blocker, pq_code_attention, use_kernel
-from million_jax.kv_transforms import output_value_transform, query_aware_key_transform, sqrt_psd
-from million_jax.pq import Codebooks
-from million_jax.pq_codebooks import PQCodebooks
+from million_jax.calibration.fit import collect_query_gram
+from million_jax.quant.codebook_io import load_kv_codebooks, save_kv_codebooks
+from million_jax.attention.pq_dispatch import dispatch_blocker, pq_code_attention, use_kernel
+from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform, sqrt_psd
+from million_jax.quant.pq import Codebooks
+from million_jax.quant.kv_codebooks import PQCodebooks
 from pallas_kernels.code_packing import pack_codes, packed_width
 
 B, T, H, HKV, D, L = 2, 6, 4, 2, 8, 1

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from million_jax.cache.base import write_rows
-from million_jax.layer_slice import LayerSlice, as_array, rows, take_rows
+from million_jax.attention.layer_slice import LayerSlice, as_array, rows, take_rows
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.uint8])

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from million_jax.pq import (
+from million_jax.quant.pq import (
     Codebooks,
     bits_per_element,
     code_dtype,

@@ -9,8 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from cache_layer_step import attend_layer0
 from million_jax.cache.pq_cache import PQCache
-from million_jax.pq import Codebooks, decode, encode
-from million_jax.pq_codebooks import PQCodebooks
+from million_jax.quant.pq import Codebooks, decode, encode
+from million_jax.quant.kv_codebooks import PQCodebooks
 
 
 def _books(rng, L, hkv, d, M, nbits, granularity):

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from million_jax.cache.pq_cache import PQCache
-from million_jax.calibration import fit_kv_codebooks
-from million_jax.codebook_io import CodebookFileError, load_kv_codebooks, save_kv_codebooks
+from million_jax.calibration.fit import fit_kv_codebooks
+from million_jax.quant.codebook_io import CodebookFileError, load_kv_codebooks, save_kv_codebooks
 from million_jax.flax.pq_layer import select_layer
-from million_jax.pq import Codebooks, fit_codebooks
-from million_jax.pq_codebooks import PQCodebooks
-from million_jax.residual_pq import decode_stages, encode_stages, fit_stages
+from million_jax.quant.pq import Codebooks, fit_codebooks
+from million_jax.quant.kv_codebooks import PQCodebooks
+from million_jax.quant.residual_pq import decode_stages, encode_stages, fit_stages
 
 B, T, H, HKV, D = 2, 7, 4, 2, 8
 

@@ -1,4 +1,4 @@
-"""The shared tile loop (million_jax/tiling.py): correct, and it never reads past the longest sequence."""
+"""The shared tile loop (million_jax/attention/tiling.py): correct, and it never reads past the longest sequence."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cache_layer_step import attend_layer0
-from million_jax.attention import tiled_dense_attention
+from million_jax.attention.exact import tiled_dense_attention
 from million_jax.cache.dense import DenseCache
 from pallas_kernels.softmax import group_heads, softmax_attention, ungroup_heads
 

@@ -19,9 +19,9 @@ import pytest
 from hypothesis import given, strategies as st
 
 from cache_layer_step import attend_layer0
-from million_jax import uniform_attention
+from million_jax.attention import uniform_xla
 from million_jax.cache.uniform_cache import UniformCache
-from million_jax.uniform_quant import (
+from million_jax.quant.uniform import (
     bits_per_element,
     dequantize_token_groups,
     pack,
@@ -215,7 +215,7 @@ def test_chunked_prefill_equals_one_shot(mode, bits, qa, W, S, monkeypatch):
     current-group attention runs its chunked lax.map path here (4 queries per step,
     remainder 3); the reference test covers the single-vmap path.
     """
-    monkeypatch.setattr(uniform_attention, "CURRENT_CHUNK", 4)
+    monkeypatch.setattr(uniform_xla, "CURRENT_CHUNK", 4)
     rng = np.random.default_rng(0)
     hkv, g, d, T, G = 2, 2, 64, 11, 4
     q, k, v = _data(rng, 1, T, hkv, g, d, jnp.bfloat16)

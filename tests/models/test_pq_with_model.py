@@ -7,7 +7,7 @@ import pytest
 from million_app.calibrate import calibrate_model
 from million_app.corpus import builtin_split
 from million_jax.cache import DenseCache, PQCache, UniformCache
-from million_jax.calibration import fit_kv_codebooks
+from million_jax.calibration.fit import fit_kv_codebooks
 from models import decode_step, generate, init_cache, init_params, prefill, preset
 
 

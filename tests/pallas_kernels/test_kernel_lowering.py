@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import pq_decode_attention, pq_kernel_unsupported_reason
-from pallas_kernels._compat import TRITON_CUSTOM_CALL, export_for_cuda
+from cuda_export import TRITON_CUSTOM_CALL, export_for_cuda
 from pallas_kernels.code_packing import packed_width
 
 pytestmark = pytest.mark.kernels

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from pallas_kernels import pq_decode_attention
-from pallas_kernels.triton_compile_check import SHAPES, capture_ttir, compile_ttir
+from triton_compile_check import SHAPES, capture_ttir, compile_ttir
 
 pytestmark = pytest.mark.kernels
 

@@ -11,7 +11,7 @@ from million_jax import sharding as S
 from million_jax.cache.dense import DenseCache
 from million_jax.cache.pq_cache import PQCache, PQCodebooks
 from million_jax.cache.uniform_cache import UniformCache
-from million_jax.pq import Codebooks
+from million_jax.quant.pq import Codebooks
 from models import LlamaConfig, init_params, preset
 
 CONFIG = LlamaConfig(vocab=256, hidden=64, intermediate=128, n_layers=2, n_heads=8, n_kv_heads=8,

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from million_jax.pq import Codebooks, encode, fit_codebooks
+from million_jax.quant.pq import Codebooks, encode, fit_codebooks
 from pallas_kernels.pq_math import gather_centroids
 
 __all__ = ["check_stage_count", "check_stages", "stage_codebooks", "encode_stages", "decode_stages", "tile_query", "fold_output",
@@ -91,7 +91,7 @@ def fit_stages(x: np.ndarray, M: int, nbits: int, stages: int, *, key: jax.Array
 
     Stage 1 is fitted on x, stage s + 1 on what stages 1..s leave (same vectors). ``fit``:
     the fitting function ``fit(x, M, nbits, key=..., **kmeans_options) -> Codebooks``
-    (default :func:`million_jax.pq.fit_codebooks`; calibration passes its chunked fit).
+    (default :func:`million_jax.quant.pq.fit_codebooks`; calibration passes its chunked fit).
     """
     fit = fit_codebooks if fit is None else fit
     residual = np.asarray(x, np.float32)

@@ -10,7 +10,7 @@ goes to the fused Pallas decode kernel (:func:`pallas_kernels.pq_decode_attentio
   not: keys and values with different M, :func:`dispatch_blocker`), and
 * ``impl == "pallas"`` (interpret mode off GPU: tests), or ``impl == "auto"`` on a GPU;
 
-and otherwise to the pure-jnp tiled path (:func:`million_jax.pq_attention.pq_attention`).
+and otherwise to the pure-jnp tiled path (:func:`million_jax.attention.pq_xla.pq_attention_xla`).
 ``impl == "pallas"`` on a call the kernel cannot take is an error naming why.
 
 On a device mesh (``mesh``: a :class:`KernelMesh`, recorded in the cache by
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from million_jax.layer_slice import ArrayOrSlice, as_array
-from million_jax.pq_attention import pq_attention
+from million_jax.attention.layer_slice import ArrayOrSlice, as_array
+from million_jax.attention.pq_xla import pq_attention_xla
 from pallas_kernels import pq_decode_attention, pq_kernel_unsupported_reason
 
 __all__ = ["IMPLS", "KernelMesh", "check_impl", "dispatch_blocker", "pq_code_attention", "use_kernel"]
@@ -117,7 +117,7 @@ def pq_code_attention(
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of q float[B, T, H, d] over codes uint[B, Hkv, N, M] for lo <= s < hi.
 
-    k_codes / v_codes: arrays or :class:`~million_jax.layer_slice.LayerSlice` views of a
+    k_codes / v_codes: arrays or :class:`~million_jax.attention.layer_slice.LayerSlice` views of a
     stacked cache (the xla path reads its tiles in place; the kernel gets the layer as an array).
     k_books / v_books: float[G, M, K, dsub], G in {1, Hkv}; lo, hi: int32[B, T].
     scale: score scale (default 1 / sqrt(d)).
@@ -128,4 +128,4 @@ def pq_code_attention(
         out, lse = _kernel(q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0],
                            jnp.maximum(hi[:, 0], lo[:, 0]), mesh, scale)
         return out[:, None], lse[:, None]
-    return pq_attention(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale)
+    return pq_attention_xla(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale)

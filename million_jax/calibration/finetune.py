@@ -44,7 +44,7 @@ its k-means codebooks. The per-head errors before and after are returned either 
 Parameters are optimised in units of the per-codebook RMS of the (transformed) keys / values,
 so one learning rate fits models whose keys are large or small.
 
-Transforms (:mod:`million_jax.kv_transforms`): with a key transform A the codebooks live in
+Transforms (:mod:`million_jax.quant.kv_transforms`): with a key transform A the codebooks live in
 the A-space: keys are encoded as A k and the query becomes A^-T q; with a value transform B
 values are encoded as B v and the output of the code attention is mapped back by B^-1. Pass
 the four per-layer transforms as :class:`LayerTransforms` (``[Gt, d, d]``, Gt = 1 or Hkv); the
@@ -62,8 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from million_jax.pq import Codebooks, encode
-from million_jax.pq_codebooks import PQCodebooks
+from million_jax.quant.pq import Codebooks, encode
+from million_jax.quant.kv_codebooks import PQCodebooks
 from pallas_kernels.pq_math import gather_centroids
 
 __all__ = ["FinetuneSettings", "LayerTransforms", "LayerFinetune", "finetune_layer", "attention_output_error",

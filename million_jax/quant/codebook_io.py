@@ -21,9 +21,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from million_jax.files import atomic_file
-from million_jax.pq import Codebooks
-from million_jax.pq_codebooks import PQCodebooks
+from million_jax.quant.atomic_file import atomic_file
+from million_jax.quant.pq import Codebooks
+from million_jax.quant.kv_codebooks import PQCodebooks
 
 FORMAT = "million-jax-codebooks"
 VERSION = 2

@@ -2,14 +2,14 @@
 
 Two parts, merged by the caller with log-sum-exp:
 
-* :func:`uniform_attention`: tokens of complete key groups (and, in token mode, every
+* :func:`uniform_attention_xla`: tokens of complete key groups (and, in token mode, every
   token), dequantized one tile at a time inside the shared tile loop
-  (:mod:`million_jax.tiling`);
+  (:mod:`million_jax.attention.tiling`);
 * :func:`current_group_attention`: each query over its own, still growing, key group with
   the group's prefix statistics (causal within a group; see
   :mod:`million_jax.cache.uniform_cache`).
 
-The quantization math is :mod:`million_jax.uniform_quant`; the softmax is
+The quantization math is :mod:`million_jax.quant.uniform`; the softmax is
 :mod:`pallas_kernels.softmax`.
 """
 from __future__ import annotations
@@ -19,18 +19,18 @@ import math
 import jax
 import jax.numpy as jnp
 
-from million_jax.tiling import tiled_attention
-from million_jax.uniform_quant import decode, encode, expand_stats, unpack
+from million_jax.attention.tiling import tiled_attention
+from million_jax.quant.uniform import decode, encode, expand_stats, unpack
 from pallas_kernels.softmax import group_heads, softmax_attention
 
-__all__ = ["uniform_attention", "current_group_attention", "take_rows", "CURRENT_CHUNK"]
+__all__ = ["uniform_attention_xla", "current_group_attention", "take_rows", "CURRENT_CHUNK"]
 
 # Queries per lax.map step of the current-group attention (bounds its memory
 # to CURRENT_CHUNK * B * Hkv * G * d floats during a long prefill).
 CURRENT_CHUNK = 64
 
 
-def uniform_attention(
+def uniform_attention_xla(
     q: jax.Array,
     k_codes: jax.Array,
     k_scale: jax.Array,

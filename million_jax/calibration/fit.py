@@ -7,7 +7,7 @@ lives in the CLI layer; this module only needs the filled caches:
     books = fit_kv_codebooks(k, v, M=32, nbits=8, granularity="layer_head", key=key)
 
 Keys and values may get their own budgets (``value_M`` / ``value_nbits``) and transforms
-(``key_transform`` A, ``value_transform`` B, float[L, Gt, d, d]; :mod:`million_jax.kv_transforms`):
+(``key_transform`` A, ``value_transform`` B, float[L, Gt, d, d]; :mod:`million_jax.quant.kv_transforms`):
 the codebooks are then fitted on A k and B v and the returned PQCodebooks carry A and B.
 The query Gram of the query-aware A comes from a filled ``QueryStatsCache`` (``collect_query_gram``).
 
@@ -27,10 +27,10 @@ import numpy as np
 
 from million_jax.cache.dense import DenseCache
 from million_jax.cache.query_stats import QueryStatsCache
-from million_jax.kv_transforms import transform_rows
-from million_jax.pq import Codebooks, check_nbits, check_subspaces, fit_codebooks
-from million_jax.pq_codebooks import GRANULARITIES, PQCodebooks
-from million_jax.residual_pq import check_stage_count, fit_stages
+from million_jax.quant.kv_transforms import transform_rows
+from million_jax.quant.pq import Codebooks, check_nbits, check_subspaces, fit_codebooks
+from million_jax.quant.kv_codebooks import GRANULARITIES, PQCodebooks
+from million_jax.quant.residual_pq import check_stage_count, fit_stages
 
 __all__ = ["collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_in_chunks", "DEFAULT_MAX_VECTORS",
            "GROUPS_PER_FIT"]
@@ -129,7 +129,7 @@ def fit_kv_codebooks(
     budget, value_M / value_nbits the values' (default: the keys'); transforms see the module
     docstring.
 
-    ``stages`` > 1: residual PQ (:mod:`million_jax.residual_pq`), M sub-vectors per stage,
+    ``stages`` > 1: residual PQ (:mod:`million_jax.quant.residual_pq`), M sub-vectors per stage,
     each stage fitted on what the previous ones leave; the result holds S * M codes per vector.
 
     ``key_weights`` / ``value_weights``: float[L, Hkv, N] per-vector k-means weights (e.g. the

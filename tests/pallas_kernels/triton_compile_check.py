@@ -1,6 +1,6 @@
 """Compile the PQ kernel's Triton IR to sm_90a PTX/SASS on a CPU-only machine (dev tool).
 
-`jax.export` (see `_compat.export_for_cuda`) runs Pallas -> Triton IR (TTIR) only; Triton's
+`jax.export` (see `cuda_export.export_for_cuda`) runs Pallas -> Triton IR (TTIR) only; Triton's
 own passes (layouts, pipelining, MMA selection) and ptxas run at XLA compile time on the
 GPU. This tool goes the rest of the way without a GPU: it captures the TTIR that Pallas
 emits, compiles it with the `triton` pip package (which bundles LLVM and ptxas) for an H100 /
@@ -10,7 +10,7 @@ not a project dependency. Caveat: jaxlib bundles its own Triton build; pip's ver
 so this approximates what the GPU's XLA will do (it caught nothing yet that export missed,
 but it gives register and shared-memory budgets for choosing launch defaults).
 
-  python -m pallas_kernels.triton_compile_check --triton-python /tmp/tritonvenv/bin/python
+  python tests/pallas_kernels/triton_compile_check.py --triton-python /tmp/tritonvenv/bin/python
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._compat import export_for_cuda
+from cuda_export import export_for_cuda
 from pallas_kernels.code_packing import stored_width
 
 __all__ = ["capture_ttir", "compile_ttir", "report"]

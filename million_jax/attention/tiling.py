@@ -6,7 +6,7 @@ O(B * H * T * tile) whatever the context length. The loop runs only over the til
 hold visible tokens (up to the longest ``hi`` in the batch), so a step costs in proportion
 to the longest sequence, not to the cache's capacity ``T_max``; tiles are cut with dynamic
 slices of the stored arrays (no padded or transposed copy of the cache); an array may be a
-:class:`~million_jax.layer_slice.LayerSlice` (one layer of a stacked cache), whose tiles are
+:class:`~million_jax.attention.layer_slice.LayerSlice` (one layer of a stacked cache), whose tiles are
 cut straight from the stacked buffer. Each caller supplies only how a tile's scores and
 values are computed from its slices of the stored arrays.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from million_jax.layer_slice import ArrayOrSlice, rows as row_slice
+from million_jax.attention.layer_slice import ArrayOrSlice, rows as row_slice
 from pallas_kernels.softmax import OnlineSoftmax, ungroup_heads
 
 __all__ = ["tiled_attention"]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from million_jax.kmeans import assign, batched_chunk, kmeans
+from million_jax.quant.kmeans import assign, batched_chunk, kmeans
 from pallas_kernels.pq_math import gather_centroids
 
 MIN_NBITS = 1
@@ -128,7 +128,7 @@ def fit_codebooks(x: jax.Array, M: int, nbits: int, *, key: jax.Array, weights: 
 
     x: float[*G, N, d] -> Codebooks with centroids float32[*G, M, 2**nbits, d // M].
     All G * M k-means problems are fitted at once (one jitted, vmapped program).
-    weights: optional float[*G, N]. ``kmeans_options`` go to :func:`million_jax.kmeans.kmeans`
+    weights: optional float[*G, N]. ``kmeans_options`` go to :func:`million_jax.quant.kmeans.kmeans`
     (iters, tol, chunk_size, init_sample).
     """
     x = jnp.asarray(x)

@@ -6,7 +6,7 @@ For query head h (KV head h // G) and a key stored as codes c_t[m]:
     score_t   = scale * sum_m LUT[m, c_t[m]]  M lookups, no dequantization
     out       = sum_t p_t * concat_m Cv_m[cv_t[m]]
 
-The context is walked in tiles (:mod:`million_jax.tiling`), so dequantized K/V are never
+The context is walked in tiles (:mod:`million_jax.attention.tiling`), so dequantized K/V are never
 materialised for the whole context. With many queries per call (prefill) the key side of a
 tile is gathered and multiplied instead of read from a LUT: the same numbers, computed the
 way a matmul unit likes. The LUT / gather math is :mod:`pallas_kernels.pq_math`.
@@ -28,18 +28,18 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.code_packing import codebook_nbits, is_packed, maybe_unpack
-from million_jax.tiling import tiled_attention
+from million_jax.attention.tiling import tiled_attention
 from pallas_kernels.pq_math import build_lut, gather_centroids, lut_scores
 from pallas_kernels.softmax import einsum_f32, group_heads
 
-__all__ = ["pq_attention", "LUT_MAX_QUERIES"]
+__all__ = ["pq_attention_xla", "LUT_MAX_QUERIES"]
 
 # With at most this many queries per call the key scores come from the LUT;
 # above it a tile of keys is decoded and multiplied (prefill).
 LUT_MAX_QUERIES = 8
 
 
-def pq_attention(
+def pq_attention_xla(
     q: jax.Array,
     k_codes: jax.Array,
     v_codes: jax.Array,

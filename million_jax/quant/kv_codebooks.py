@@ -12,14 +12,14 @@ attention path reads ``[G, M, K, dsub]`` per layer, without reshaping or re-chec
 ``compact()`` gives back the fitted form (what a codebook file stores).
 
 Keys and values may have their own budgets (M and nbits each; same granularity). Optional
-per-layer transforms (:mod:`million_jax.kv_transforms`), float32[L, Gt, d, d], Gt in {1, Hkv}:
+per-layer transforms (:mod:`million_jax.quant.kv_transforms`), float32[L, Gt, d, d], Gt in {1, Hkv}:
 
     key_transform     A: keys are encoded as A k; query_transform = A^-T maps the query
     value_transform   B: values are encoded as B v; output_transform = B^-1 maps the output
 
 Build them with :meth:`PQCodebooks.with_transforms` (the inverses are computed there, once).
 
-``stages`` > 1: residual PQ (:mod:`million_jax.residual_pq`); the S stages of keys (and of
+``stages`` > 1: residual PQ (:mod:`million_jax.quant.residual_pq`); the S stages of keys (and of
 values) are stored as one codebook of S * M sub-spaces, float32[L, G, S * M, K, d / M], and
 ``key_M`` / ``value_M`` count the codes of all stages (what the cache stores per token).
 """
@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from million_jax.kv_transforms import check_transform, inverse, inverse_transpose
-from million_jax.pq import Codebooks
-from million_jax.residual_pq import check_stages
+from million_jax.quant.kv_transforms import check_transform, inverse, inverse_transpose
+from million_jax.quant.pq import Codebooks
+from million_jax.quant.residual_pq import check_stages
 
 __all__ = ["PQCodebooks", "GRANULARITIES"]
 

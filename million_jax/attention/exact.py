@@ -24,8 +24,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from million_jax.layer_slice import ArrayOrSlice
-from million_jax.tiling import tiled_attention
+from million_jax.attention.layer_slice import ArrayOrSlice
+from million_jax.attention.tiling import tiled_attention
 from pallas_kernels.softmax import einsum_f32, group_heads, softmax_attention, ungroup_heads
 
 __all__ = ["attention", "causal_mask", "causal_attention", "einsum_f32", "new_token_attention", "tiled_dense_attention"]
@@ -108,9 +108,9 @@ def tiled_dense_attention(
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of q float[B, T, H, d] over stored keys k, v float[B, Hkv, N, d] (arrays or
-    :class:`~million_jax.layer_slice.LayerSlice` views of a stacked cache), tokens
+    :class:`~million_jax.attention.layer_slice.LayerSlice` views of a stacked cache), tokens
     lo <= s < hi (int32[B, T]) visible, walked in tiles up to the longest ``hi`` only
-    (:mod:`million_jax.tiling`): a decode step costs O(longest sequence), not O(N).
+    (:mod:`million_jax.attention.tiling`): a decode step costs O(longest sequence), not O(N).
 
     Returns out float[B, T, H, d] in q.dtype (0 for a query that sees nothing), or with
     ``return_lse`` (out float32[B, T, H, d], lse float32[B, T, H]) for a merge.
