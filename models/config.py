@@ -8,26 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from million_jax.rope import ROPE_SCALING_KINDS, RopeScaling
 from models.errors import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling.
-
-    ``kind`` is ``"llama3"`` (LLaMA-3.1's smooth low/high-frequency blend, the
-    other fields as in HF ``rope_parameters``), ``"linear"`` (positions
-    divided by ``factor``) or ``"freq_factors"`` (each of the d/2 inverse
-    frequencies divided by ``freq_factors[i]``, as llama.cpp's
-    ``rope_freqs.weight`` tensor stores LLaMA-3.1 scaling).
-    """
-
-    kind: str = "llama3"
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    freq_factors: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +56,7 @@ class LlamaConfig:
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
-        kinds = ("llama3", "linear", "freq_factors")
-        if self.rope_scaling is not None and self.rope_scaling.kind not in kinds:
+        if self.rope_scaling is not None and self.rope_scaling.kind not in ROPE_SCALING_KINDS:
             raise ConfigError(f"unsupported rope_scaling kind {self.rope_scaling.kind!r}")
         if (self.rope_scaling is not None and self.rope_scaling.kind == "freq_factors"
                 and len(self.rope_scaling.freq_factors) != self.head_dim // 2):

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.nnx import initializers
 
+from million_jax import rope
 from million_jax.attention.exact import causal_attention, einsum_f32
 from million_jax.cache.base import CacheOverflowError, KVCache
 from million_jax.cache.dense import DenseCache
@@ -110,40 +111,8 @@ def init_cache(config: LlamaConfig, batch: int, max_len: int,
 
 # ---------------------------------------------------------------- building blocks
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-    """f32[d/2] inverse frequencies, with the llama3 / linear scaling applied."""
-    d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    s = config.rope_scaling
-    if s is not None and s.kind == "freq_factors":
-        inv = inv / np.asarray(s.freq_factors, np.float64)
-    elif s is not None and s.kind == "linear":
-        inv = inv / s.factor
-    elif s is not None and s.kind == "llama3":
-        old = s.original_max_position_embeddings
-        low_wavelen = old / s.low_freq_factor
-        high_wavelen = old / s.high_freq_factor
-        wavelen = 2 * np.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-        blended = (1 - smooth) * scaled / s.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = np.where(medium, blended, scaled)
-    return inv.astype(np.float32)
-
-
-def _rope_tables(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """positions int[B, T] -> (cos, sin) f32[B, T, d/2]."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config))
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x float[B, T, H, d] rotated in HF's half-split layout; cos/sin f32[B, T, d/2]."""
-    half = x.shape[-1] // 2
-    x1 = x[..., :half].astype(jnp.float32)
-    x2 = x[..., half:].astype(jnp.float32)
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    """f32[d/2] inverse frequencies of this model (``million_jax.rope``, scaling applied)."""
+    return rope.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
 def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -167,7 +136,8 @@ def _block(config: LlamaConfig, lp: Params, h: jax.Array, cos: jax.Array, sin: j
     q = _linear(x, lp["wq"], lp.get("bq")).reshape(b, t, c.n_heads, c.head_dim)
     k = _linear(x, lp["wk"], lp.get("bk")).reshape(b, t, c.n_kv_heads, c.head_dim)
     v = _linear(x, lp["wv"], lp.get("bv")).reshape(b, t, c.n_kv_heads, c.head_dim)
-    q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # over heads
+    q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
     out, state = attend(q, k, v)
     h = h + _linear(out.reshape(b, t, -1).astype(h.dtype), lp["wo"], lp.get("bo"))
     x = _rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
@@ -184,7 +154,7 @@ def _run_layers(config: LlamaConfig, params: Params, h: jax.Array, positions: ja
     read inside the loop (in place, see million_jax/cache/base.py); the caller writes all
     layers once afterwards, so a donated cache is updated in place and never copied.
     """
-    cos, sin = _rope_tables(config, positions)
+    cos, sin = rope.rope_cos_sin(positions, rope_inv_freq(config))  # f32[B, T, d/2]
 
     def body(h, xs):
         i, lp, const = xs

@@ -1,0 +1,107 @@
+"""Rotary position embedding: the one home of the frequencies and the rotation.
+
+The model rotates queries and keys with these functions, and a cache that stores keys
+*before* RoPE (``PQCodebooks.key_rope == "pre"``) rotates their reconstructions with the very
+same frequencies, so the two can never disagree.
+
+Layout: HF's rotate-half. Pair i of a head vector x float[..., d] is (x[i], x[i + d/2]); at
+angle a it becomes (x1 cos a - x2 sin a, x2 cos a + x1 sin a). The angle of pair i at
+position t is ``t * inv_freq[i]`` (float32, as every LLaMA implementation computes it).
+
+Pre-RoPE key codebooks use one PQ sub-space per pair: :func:`to_pair_layout` orders the d
+dims as (0, d/2, 1, d/2 + 1, ...), so sub-space m (dsub = 2) is pair m and a rotation never
+leaves its sub-space (the attention then needs two lookup tables, ``pallas_kernels.pq_math``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["RopeScaling", "ROPE_SCALING_KINDS", "rope_inv_freq", "rope_cos_sin", "rotate", "unrotate",
+           "to_pair_layout", "from_pair_layout"]
+
+ROPE_SCALING_KINDS = ("llama3", "linear", "freq_factors")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling.
+
+    ``kind`` is ``"llama3"`` (LLaMA-3.1's smooth low/high-frequency blend, the other fields as
+    in HF ``rope_parameters``), ``"linear"`` (positions divided by ``factor``) or
+    ``"freq_factors"`` (each of the d/2 inverse frequencies divided by ``freq_factors[i]``, as
+    llama.cpp's ``rope_freqs.weight`` tensor stores LLaMA-3.1 scaling).
+    """
+
+    kind: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] = ()
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """float32[d/2] inverse frequencies of a head of size ``head_dim``, with ``scaling`` applied."""
+    d = int(head_dim)
+    if d <= 0 or d % 2:
+        raise ValueError(f"RoPE needs an even head_dim > 0, got {head_dim}")
+    inv = 1.0 / (float(theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    s = scaling
+    if s is None:
+        pass
+    elif s.kind == "freq_factors":
+        factors = np.asarray(s.freq_factors, np.float64)
+        if factors.shape != inv.shape:
+            raise ValueError(f"rope freq_factors has {factors.size} entries, head_dim {d} needs {d // 2}")
+        inv = inv / factors
+    elif s.kind == "linear":
+        inv = inv / s.factor
+    elif s.kind == "llama3":
+        old = s.original_max_position_embeddings
+        low_wavelen = old / s.low_freq_factor
+        high_wavelen = old / s.high_freq_factor
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, blended, scaled)
+    else:
+        raise ValueError(f"unsupported rope scaling kind {s.kind!r} (one of {ROPE_SCALING_KINDS})")
+    return inv.astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions int[...] and inv_freq float32[P] -> (cos, sin) float32[..., P]."""
+    angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x float[..., d] rotated pair-wise (rotate-half layout); cos / sin float32 broadcastable to
+    x[..., :d/2]. Computed in float32, returned in x.dtype."""
+    half = x.shape[-1] // 2
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def unrotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """The inverse of :func:`rotate` at the same angles (rotation by -angle)."""
+    return rotate(x, cos, -sin)
+
+
+def to_pair_layout(x: jax.Array) -> jax.Array:
+    """x float[..., d] (rotate-half layout) -> float[..., d] with pair m at dims (2m, 2m + 1)."""
+    half = x.shape[-1] // 2
+    return jnp.stack([x[..., :half], x[..., half:]], axis=-1).reshape(x.shape)
+
+
+def from_pair_layout(x: jax.Array) -> jax.Array:
+    """The inverse of :func:`to_pair_layout`."""
+    pairs = x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+    return jnp.concatenate([pairs[..., 0], pairs[..., 1]], axis=-1)
