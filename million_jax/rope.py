@@ -95,13 +95,18 @@ def unrotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotate(x, cos, -sin)
 
 
+def _xp(x):
+    """numpy for NumPy arrays (calibration pools stay on the host), jax.numpy otherwise."""
+    return np if isinstance(x, np.ndarray) else jnp
+
+
 def to_pair_layout(x: jax.Array) -> jax.Array:
     """x float[..., d] (rotate-half layout) -> float[..., d] with pair m at dims (2m, 2m + 1)."""
     half = x.shape[-1] // 2
-    return jnp.stack([x[..., :half], x[..., half:]], axis=-1).reshape(x.shape)
+    return _xp(x).stack([x[..., :half], x[..., half:]], axis=-1).reshape(x.shape)
 
 
 def from_pair_layout(x: jax.Array) -> jax.Array:
     """The inverse of :func:`to_pair_layout`."""
     pairs = x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
-    return jnp.concatenate([pairs[..., 0], pairs[..., 1]], axis=-1)
+    return _xp(x).concatenate([pairs[..., 0], pairs[..., 1]], axis=-1)

@@ -1,4 +1,4 @@
-"""Calibration: post-RoPE K/V samples -> PQ codebooks at a chosen granularity.
+"""Calibration: K/V samples (keys after or before RoPE) -> PQ codebooks at a chosen granularity.
 
 The model side (running calibration text through a model with a DenseCache)
 lives in the CLI layer; this module only needs the filled caches:
@@ -25,11 +25,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from million_jax import rope
 from million_jax.cache.dense import DenseCache
 from million_jax.cache.query_stats import QueryStatsCache
 from million_jax.quant.kv_transforms import transform_rows
 from million_jax.quant.pq import Codebooks, check_nbits, check_subspaces, fit_codebooks
-from million_jax.quant.kv_codebooks import GRANULARITIES, PQCodebooks
+from million_jax.quant.kv_codebooks import GRANULARITIES, PQCodebooks, check_pre_rope_keys
 from million_jax.quant.residual_pq import check_stage_count, fit_stages
 
 __all__ = ["collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_in_chunks", "DEFAULT_MAX_VECTORS",
@@ -39,11 +40,20 @@ DEFAULT_MAX_VECTORS = 65536
 GROUPS_PER_FIT = 8  # codebook groups per jitted k-means call (a chance to stop in between)
 
 
-def collect_kv(cache: DenseCache) -> tuple[np.ndarray, np.ndarray]:
-    """Valid tokens of a filled DenseCache as float32[L, Hkv, N, d] (N = sum of lengths)."""
+def collect_kv(cache: DenseCache, *, rope_inv_freq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Valid tokens of a filled DenseCache as float32[L, Hkv, N, d] (N = sum of lengths).
+
+    The cache holds keys after RoPE. With ``rope_inv_freq`` float[d/2] (the model's,
+    ``million_jax.rope.rope_inv_freq``) the keys come back *before* RoPE: each row is rotated
+    back by its position (row t of a sequence is position t), so the same calibration forward
+    serves pre-RoPE codebooks.
+    """
     k = np.asarray(cache.layers.k, np.float32)
     v = np.asarray(cache.layers.v, np.float32)
     lengths = np.asarray(cache.lengths)
+    if rope_inv_freq is not None:
+        cos, sin = rope.rope_cos_sin(np.arange(k.shape[3]), rope_inv_freq)  # f32[T, d/2]
+        k = np.asarray(rope.unrotate(k, cos, sin), np.float32)  # k: [L, B, Hkv, T, d]
     ks = [k[:, b, :, : lengths[b]] for b in range(k.shape[1]) if lengths[b] > 0]
     vs = [v[:, b, :, : lengths[b]] for b in range(v.shape[1]) if lengths[b] > 0]
     if not ks:
@@ -120,6 +130,7 @@ def fit_kv_codebooks(
     stages: int = 1,
     key_weights: np.ndarray | None = None,
     value_weights: np.ndarray | None = None,
+    rope_inv_freq: np.ndarray | None = None,
 ) -> PQCodebooks:
     """Fit key and value codebooks from calibration samples.
 
@@ -135,6 +146,11 @@ def fit_kv_codebooks(
     ``key_weights`` / ``value_weights``: float[L, Hkv, N] per-vector k-means weights (e.g. the
     attention each token receives: ``benchmarks/attention_mass_weights.py``), pooled and
     subsampled with their vectors; None: every vector counts once.
+
+    ``rope_inv_freq`` float[d/2]: ``keys`` are *pre-RoPE* keys (``collect_kv(...,
+    rope_inv_freq=...)``); the key codebooks get one sub-space per RoPE pair (so ``M`` must be
+    d/2 and ``nbits`` sets the key budget: nbits / 2 bits per element) and the result is marked
+    ``key_rope == "pre"`` (:meth:`PQCodebooks.with_pre_rope_keys`). No key transform then.
 
     The codebook groups are fitted ``groups_per_fit`` at a time (:func:`fit_in_chunks`);
     ``progress(done, total)`` is called after each such fit (it may raise to stop).
@@ -158,6 +174,9 @@ def fit_kv_codebooks(
     for nb in (nbits, value_nbits):
         if max_vectors < 2**nb:
             raise ValueError(f"max_vectors={max_vectors} is below the K=2**{nb}={2**nb} centroids")
+    if rope_inv_freq is not None:
+        check_pre_rope_keys(keys.shape[-1], M, key_transform is not None)
+        keys = rope.to_pair_layout(keys)
     key_weights = _check_weights("key_weights", key_weights, keys.shape[:3])
     value_weights = _check_weights("value_weights", value_weights, keys.shape[:3])
     if key_transform is not None:
@@ -191,7 +210,8 @@ def fit_kv_codebooks(
                               weights=wts))
     books = PQCodebooks.from_centroids(out[0].centroids, out[1].centroids, granularity, num_layers=keys.shape[0],
                                        stages=stages)
-    return books.with_transforms(key_transform, value_transform)
+    books = books.with_transforms(key_transform, value_transform)
+    return books if rope_inv_freq is None else books.with_pre_rope_keys(rope_inv_freq)
 
 
 def chunk_groups(g: int, groups_per_fit: int) -> int:

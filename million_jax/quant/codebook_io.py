@@ -4,7 +4,9 @@
 value, in their fitted form, each with its own M / nbits, the granularity in the metadata, and
 the optional key / value transforms float32[L, Gt, d, d] as extra tensors ``key_transform`` /
 ``value_transform``; their inverses are recomputed on load; residual codebooks record their
-``stages`` in the metadata, 1 when absent).
+``stages`` in the metadata, 1 when absent; keys quantized before RoPE record ``key_rope: "pre"``
+and their RoPE frequencies as the extra tensor ``rope_inv_freq`` float32[d/2]; ``"post"`` when
+absent).
 
 File layout: one tensor per named codebook set (e.g. ``"key"`` and ``"value"``),
 each float32[*G, M, K, dsub]; the safetensors header metadata holds one entry
@@ -181,7 +183,8 @@ def load_codebook_file(
     return out, extras, user
 
 
-_KV_EXTRAS = ("key_transform", "value_transform")
+_KV_EXTRAS = ("key_transform", "value_transform", "rope_inv_freq")
+KEY_ROPE = ("post", "pre")
 
 
 def save_kv_codebooks(path: str | os.PathLike, books: PQCodebooks,
@@ -189,7 +192,8 @@ def save_kv_codebooks(path: str | os.PathLike, books: PQCodebooks,
     """Write a model's key/value codebooks in their fitted form, granularity recorded."""
     key, value = books.compact()
     meta = dict(metadata or {})
-    meta.update(granularity=books.granularity, n_layers=books.num_layers, stages=books.stages)
+    meta.update(granularity=books.granularity, n_layers=books.num_layers, stages=books.stages,
+                key_rope=books.key_rope)
     extras = {name: np.asarray(getattr(books, name)) for name in _KV_EXTRAS if getattr(books, name) is not None}
     save_codebooks(path, {"key": key, "value": value}, meta, extras, atomic=atomic)
 
@@ -210,6 +214,14 @@ def load_kv_codebooks(path: str | os.PathLike, expect: Mapping[str, Any] | None 
                                            meta.get("granularity"), num_layers=meta.get("n_layers"),
                                            stages=meta.get("stages", 1))
         books = books.with_transforms(extras.get("key_transform"), extras.get("value_transform"))
+        key_rope = meta.get("key_rope", "post")
+        if key_rope not in KEY_ROPE:
+            raise ValueError(f"key_rope={key_rope!r} in the metadata (one of {KEY_ROPE})")
+        if (key_rope == "pre") != ("rope_inv_freq" in extras):
+            raise ValueError(f"key_rope={key_rope!r} but the file {'lacks' if key_rope == 'pre' else 'has'} "
+                             "the rope_inv_freq tensor")
+        if key_rope == "pre":
+            books = books.with_pre_rope_keys(extras["rope_inv_freq"])
     except ValueError as e:
         raise CodebookFileError(f"{os.fspath(path)}: {e}") from None
     return books, meta

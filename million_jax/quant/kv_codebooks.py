@@ -22,6 +22,12 @@ Build them with :meth:`PQCodebooks.with_transforms` (the inverses are computed t
 ``stages`` > 1: residual PQ (:mod:`million_jax.quant.residual_pq`); the S stages of keys (and of
 values) are stored as one codebook of S * M sub-spaces, float32[L, G, S * M, K, d / M], and
 ``key_M`` / ``value_M`` count the codes of all stages (what the cache stores per token).
+
+``rope_inv_freq`` float32[d/2] (None: keys quantized after RoPE, MILLION's choice): the keys
+were quantized *before* RoPE (:mod:`million_jax.rope`), in RoPE-pair layout, one sub-space of
+dsub = 2 per pair (key M = S * d/2); attention rotates each code row t by t * inv_freq.
+Build them with :meth:`PQCodebooks.with_pre_rope_keys`. A key transform does not commute with
+the rotation and is refused with pre-RoPE keys; residual stages do (the rotation is linear).
 """
 from __future__ import annotations
 
@@ -36,9 +42,23 @@ from million_jax.quant.kv_transforms import check_transform, inverse, inverse_tr
 from million_jax.quant.pq import Codebooks
 from million_jax.quant.residual_pq import check_stages
 
-__all__ = ["PQCodebooks", "GRANULARITIES"]
+__all__ = ["PQCodebooks", "GRANULARITIES", "check_pre_rope_keys"]
 
 GRANULARITIES = ("shared", "layer", "layer_head")
+
+
+def check_pre_rope_keys(head_dim: int, key_M: int, has_key_transform: bool) -> None:
+    """ValueError unless keys of ``head_dim`` can be quantized before RoPE with ``key_M``
+    sub-spaces per stage (one per RoPE pair: key_M = head_dim / 2) and no key transform."""
+    if has_key_transform:
+        raise ValueError("a key transform (query-aware keys) does not commute with RoPE: it cannot be used "
+                         "with keys quantized before RoPE (rope 'pre'); use rope 'post' or drop the transform")
+    if key_M != head_dim // 2:
+        raise ValueError(f"pre-RoPE keys use one sub-space per RoPE pair: key M must be head_dim / 2 = "
+                         f"{head_dim // 2} per stage, got {key_M} (the key budget is set by nbits: "
+                         "nbits / 2 bits per element)")
+
+
 _GROUP_RANK = {"shared": 0, "layer": 1, "layer_head": 2}
 
 
@@ -64,7 +84,7 @@ def _normalise(c, granularity: str, num_layers: int | None) -> jax.Array:
 _TRANSFORMS = ("key_transform", "query_transform", "value_transform", "output_transform")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value", *_TRANSFORMS],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value", *_TRANSFORMS, "rope_inv_freq"],
                    meta_fields=["granularity", "stages"])
 @dataclasses.dataclass(frozen=True)
 class PQCodebooks:
@@ -80,6 +100,7 @@ class PQCodebooks:
     value_transform: jax.Array | None = None
     output_transform: jax.Array | None = None
     stages: int = 1
+    rope_inv_freq: jax.Array | None = None
 
     @classmethod
     def from_centroids(cls, key, value, granularity: str = "layer_head", num_layers: int | None = None,
@@ -109,6 +130,8 @@ class PQCodebooks:
     def with_transforms(self, key_transform=None, value_transform=None) -> "PQCodebooks":
         """These codebooks with key / value transforms float[L, Gt, d, d] (None: identity)."""
         kw = {}
+        if key_transform is not None and self.rope_inv_freq is not None:
+            check_pre_rope_keys(self.head_dim, self.key_M // self.stages, True)
         if key_transform is not None:
             a = check_transform(key_transform, self.num_layers, self.head_dim, "key_transform")
             kw.update(key_transform=a, query_transform=jnp.asarray(inverse_transpose(a)))
@@ -116,6 +139,32 @@ class PQCodebooks:
             b = check_transform(value_transform, self.num_layers, self.head_dim, "value_transform")
             kw.update(value_transform=b, output_transform=jnp.asarray(inverse(b)))
         return dataclasses.replace(self, **kw)
+
+    def with_pre_rope_keys(self, rope_inv_freq) -> "PQCodebooks":
+        """These codebooks with keys marked as quantized before RoPE in RoPE-pair layout.
+
+        rope_inv_freq: float[d/2], the model's frequencies (``million_jax.rope.rope_inv_freq``).
+        The key codebooks must have one sub-space per RoPE pair (dsub = 2).
+        """
+        check_pre_rope_keys(self.head_dim, self.key_M // self.stages, self.key_transform is not None)
+        inv = np.asarray(rope_inv_freq, np.float32)
+        d = self.head_dim
+        if inv.shape != (d // 2,) or not np.isfinite(inv).all() or (inv <= 0).any():
+            raise ValueError(f"rope_inv_freq must be finite positive float[{d // 2}] (head_dim {d} / 2), "
+                             f"got shape {list(inv.shape)}")
+        return dataclasses.replace(self, rope_inv_freq=jnp.asarray(inv))
+
+    @property
+    def key_rope(self) -> str:
+        """"pre" (keys quantized before RoPE, RoPE-pair sub-spaces) or "post" (MILLION's choice)."""
+        return "post" if self.rope_inv_freq is None else "pre"
+
+    def key_subspace_freqs(self) -> jax.Array | None:
+        """float32[S * M]: the RoPE frequency of each key sub-space as attention reads the stacked
+        stages (None for post-RoPE keys)."""
+        if self.rope_inv_freq is None:
+            return None
+        return jnp.tile(jnp.asarray(self.rope_inv_freq, jnp.float32), self.stages)
 
     def compact(self) -> tuple[Codebooks, Codebooks]:
         """(key, value) in the fitted form of the granularity (what a codebook file holds)."""
@@ -177,6 +226,8 @@ class PQCodebooks:
             name += " ow"
         if self.stages > 1:
             name += f" r{self.stages}"
+        if self.rope_inv_freq is not None:
+            name += " pre"
         return name
 
     @property
@@ -194,7 +245,7 @@ class PQCodebooks:
         total = 0
         for c in (self.key.centroids, self.value.centroids):  # [L, G, M, K, dsub]
             total += layers * int(np.prod(c.shape[1:])) * jnp.dtype(c.dtype).itemsize
-        for name in ("key_transform", "value_transform"):  # stored; inverses derived on load
+        for name in ("key_transform", "value_transform", "rope_inv_freq"):  # stored; inverses derived on load
             t = getattr(self, name)
             if t is not None:
                 total += int(np.prod(t.shape)) * jnp.dtype(t.dtype).itemsize

@@ -1,0 +1,94 @@
+"""Pre-RoPE key codebooks: collected, fitted, saved and loaded; what does not commute is refused."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from million_jax import rope
+from million_jax.cache.dense import DenseCache
+from million_jax.calibration.fit import collect_kv, fit_kv_codebooks
+from million_jax.quant.codebook_io import CodebookFileError, load_kv_codebooks, save_codebooks, save_kv_codebooks
+
+L, B, HKV, T, D = 2, 2, 2, 40, 16
+
+
+def _filled_cache(rng, lengths):
+    """A DenseCache holding RoPE(pre) keys at positions 0..len-1; returns (cache, pre keys)."""
+    pre = rng.standard_normal((L, B, HKV, T, D)).astype(np.float32)
+    cos, sin = rope.rope_cos_sin(np.arange(T), rope.rope_inv_freq(D, 10000.0))
+    post = np.asarray(rope.rotate(pre, cos, sin))
+    cache = DenseCache.create(L, B, HKV, T, D, jnp.float32)
+    cache = dataclasses.replace(cache, layers=dataclasses.replace(cache.layers, k=jnp.asarray(post),
+                                                                   v=jnp.asarray(pre)),
+                                lengths=jnp.asarray(lengths, jnp.int32))
+    return cache, pre
+
+
+def test_collect_kv_unrotates_keys_at_their_positions():
+    rng = np.random.default_rng(0)
+    lengths = [T, 23]
+    cache, pre = _filled_cache(rng, lengths)
+    k_pre, _ = collect_kv(cache, rope_inv_freq=rope.rope_inv_freq(D, 10000.0))
+    k_post, v = collect_kv(cache)
+    want = np.concatenate([pre[:, b, :, :n] for b, n in enumerate(lengths)], axis=2)
+    np.testing.assert_allclose(k_pre, want, atol=1e-4)
+    assert not np.allclose(k_post, want, atol=1e-2)  # the post-RoPE keys really were rotated
+    np.testing.assert_array_equal(v, want)
+
+
+def _fit(rng, **kw):
+    k = rng.standard_normal((L, HKV, 300, D)).astype(np.float32)
+    v = rng.standard_normal((L, HKV, 300, D)).astype(np.float32)
+    kw.setdefault("M", D // 2)
+    return fit_kv_codebooks(k, v, nbits=4, key=jax.random.key(0), iters=3, **kw)
+
+
+def test_pre_rope_codebooks_round_trip_through_a_file(tmp_path):
+    inv = rope.rope_inv_freq(D, 500000.0)
+    books = _fit(np.random.default_rng(1), rope_inv_freq=inv)
+    assert books.key_rope == "pre" and books.key.dsub == 2 and books.recipe.endswith(" pre")
+    path = tmp_path / "pre.safetensors"
+    save_kv_codebooks(path, books)
+    loaded, meta = load_kv_codebooks(path)
+    assert meta["key_rope"] == "pre" and loaded.key_rope == "pre"
+    np.testing.assert_array_equal(np.asarray(loaded.rope_inv_freq), inv)
+    np.testing.assert_array_equal(np.asarray(loaded.key.centroids), np.asarray(books.key.centroids))
+    post = _fit(np.random.default_rng(1))
+    save_kv_codebooks(tmp_path / "post.safetensors", post)
+    assert load_kv_codebooks(tmp_path / "post.safetensors")[0].key_rope == "post"
+
+
+def test_pre_rope_file_without_frequencies_is_refused(tmp_path):
+    books = _fit(np.random.default_rng(2))
+    key, value = books.compact()
+    meta = dict(granularity=books.granularity, n_layers=L, stages=1, key_rope="pre")
+    save_codebooks(tmp_path / "bad.safetensors", {"key": key, "value": value}, meta)
+    with pytest.raises(CodebookFileError, match="lacks the rope_inv_freq tensor"):
+        load_kv_codebooks(tmp_path / "bad.safetensors")
+    meta["key_rope"] = "sideways"
+    save_codebooks(tmp_path / "bad2.safetensors", {"key": key, "value": value}, meta)
+    with pytest.raises(CodebookFileError, match="key_rope='sideways'"):
+        load_kv_codebooks(tmp_path / "bad2.safetensors")
+
+
+def test_what_does_not_commute_with_rope_is_refused():
+    rng = np.random.default_rng(3)
+    inv = rope.rope_inv_freq(D, 10000.0)
+    with pytest.raises(ValueError, match="key M must be head_dim / 2 = 8"):
+        _fit(rng, M=4, rope_inv_freq=inv)
+    eye = np.broadcast_to(np.eye(D, dtype=np.float32), (L, 1, D, D))
+    with pytest.raises(ValueError, match="does not commute with RoPE"):
+        _fit(rng, rope_inv_freq=inv, key_transform=eye)
+    with pytest.raises(ValueError, match="does not commute with RoPE"):
+        _fit(rng, rope_inv_freq=inv).with_transforms(key_transform=eye)
+    with pytest.raises(ValueError, match=r"rope_inv_freq must be finite positive float\[8\]"):
+        _fit(rng).with_pre_rope_keys(inv[:4])
+
+
+def test_residual_stages_commute_and_tile_the_frequencies():
+    inv = rope.rope_inv_freq(D, 10000.0)
+    books = _fit(np.random.default_rng(4), rope_inv_freq=inv, stages=2)
+    assert books.key_M == D and books.key.dsub == 2
+    np.testing.assert_array_equal(np.asarray(books.key_subspace_freqs()), np.tile(inv, 2))
