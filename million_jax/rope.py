@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["RopeScaling", "ROPE_SCALING_KINDS", "rope_inv_freq", "rope_cos_sin", "rotate", "unrotate",
-           "to_pair_layout", "from_pair_layout"]
+           "rotate_pair_layout", "to_pair_layout", "from_pair_layout"]
 
 ROPE_SCALING_KINDS = ("llama3", "linear", "freq_factors")
 
@@ -93,6 +93,14 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def unrotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """The inverse of :func:`rotate` at the same angles (rotation by -angle)."""
     return rotate(x, cos, -sin)
+
+
+def rotate_pair_layout(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x float[..., 2P] in pair layout (pair m at dims 2m, 2m + 1) rotated by pair; cos / sin
+    float32 broadcastable to [..., P]. Computed in float32, returned in x.dtype."""
+    pairs = x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2)).astype(jnp.float32)
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape).astype(x.dtype)
 
 
 def _xp(x):

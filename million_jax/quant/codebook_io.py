@@ -194,7 +194,8 @@ def save_kv_codebooks(path: str | os.PathLike, books: PQCodebooks,
     meta = dict(metadata or {})
     meta.update(granularity=books.granularity, n_layers=books.num_layers, stages=books.stages,
                 key_rope=books.key_rope)
-    extras = {name: np.asarray(getattr(books, name)) for name in _KV_EXTRAS if getattr(books, name) is not None}
+    extras = {name: np.asarray(getattr(books, name), np.float32) for name in _KV_EXTRAS
+              if getattr(books, name) is not None}
     save_codebooks(path, {"key": key, "value": value}, meta, extras, atomic=atomic)
 
 

@@ -23,7 +23,7 @@ Build them with :meth:`PQCodebooks.with_transforms` (the inverses are computed t
 values) are stored as one codebook of S * M sub-spaces, float32[L, G, S * M, K, d / M], and
 ``key_M`` / ``value_M`` count the codes of all stages (what the cache stores per token).
 
-``rope_inv_freq`` float32[d/2] (None: keys quantized after RoPE, MILLION's choice): the keys
+``rope_inv_freq`` d/2 floats, static (None: keys quantized after RoPE, MILLION's choice): the keys
 were quantized *before* RoPE (:mod:`million_jax.rope`), in RoPE-pair layout, one sub-space of
 dsub = 2 per pair (key M = S * d/2); attention rotates each code row t by t * inv_freq.
 Build them with :meth:`PQCodebooks.with_pre_rope_keys`. A key transform does not commute with
@@ -84,8 +84,8 @@ def _normalise(c, granularity: str, num_layers: int | None) -> jax.Array:
 _TRANSFORMS = ("key_transform", "query_transform", "value_transform", "output_transform")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value", *_TRANSFORMS, "rope_inv_freq"],
-                   meta_fields=["granularity", "stages"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value", *_TRANSFORMS],
+                   meta_fields=["granularity", "stages", "rope_inv_freq"])
 @dataclasses.dataclass(frozen=True)
 class PQCodebooks:
     """key / value: Codebooks with centroids float32[L, G, S * M, K, dsub] ([G, S * M, K, dsub] per
@@ -100,7 +100,7 @@ class PQCodebooks:
     value_transform: jax.Array | None = None
     output_transform: jax.Array | None = None
     stages: int = 1
-    rope_inv_freq: jax.Array | None = None
+    rope_inv_freq: tuple[float, ...] | None = None  # static: the model's d/2 RoPE frequencies
 
     @classmethod
     def from_centroids(cls, key, value, granularity: str = "layer_head", num_layers: int | None = None,
@@ -152,7 +152,7 @@ class PQCodebooks:
         if inv.shape != (d // 2,) or not np.isfinite(inv).all() or (inv <= 0).any():
             raise ValueError(f"rope_inv_freq must be finite positive float[{d // 2}] (head_dim {d} / 2), "
                              f"got shape {list(inv.shape)}")
-        return dataclasses.replace(self, rope_inv_freq=jnp.asarray(inv))
+        return dataclasses.replace(self, rope_inv_freq=tuple(float(x) for x in inv))
 
     @property
     def key_rope(self) -> str:
@@ -164,7 +164,7 @@ class PQCodebooks:
         stages (None for post-RoPE keys)."""
         if self.rope_inv_freq is None:
             return None
-        return jnp.tile(jnp.asarray(self.rope_inv_freq, jnp.float32), self.stages)
+        return jnp.tile(jnp.asarray(self.rope_inv_freq, jnp.float32), self.stages)  # a constant under jit
 
     def compact(self) -> tuple[Codebooks, Codebooks]:
         """(key, value) in the fitted form of the granularity (what a codebook file holds)."""
@@ -245,7 +245,9 @@ class PQCodebooks:
         total = 0
         for c in (self.key.centroids, self.value.centroids):  # [L, G, M, K, dsub]
             total += layers * int(np.prod(c.shape[1:])) * jnp.dtype(c.dtype).itemsize
-        for name in ("key_transform", "value_transform", "rope_inv_freq"):  # stored; inverses derived on load
+        if self.rope_inv_freq is not None:
+            total += 4 * len(self.rope_inv_freq)
+        for name in ("key_transform", "value_transform"):  # stored; inverses derived on load
             t = getattr(self, name)
             if t is not None:
                 total += int(np.prod(t.shape)) * jnp.dtype(t.dtype).itemsize

@@ -59,3 +59,12 @@ def test_bad_scaling_is_refused():
         rope.rope_inv_freq(8, 10000.0, rope.RopeScaling("freq_factors", freq_factors=(1.0, 2.0)))
     with pytest.raises(ValueError, match="unsupported rope scaling kind 'yarn'"):
         rope.rope_inv_freq(8, 10000.0, rope.RopeScaling("yarn"))
+
+
+def test_rotate_pair_layout_equals_rotate_in_the_other_layout():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 3, 16)).astype(np.float32)
+    cos, sin = rope.rope_cos_sin(rng.integers(0, 1 << 17, size=(4, 3)), rope.rope_inv_freq(16, 10000.0))
+    want = np.asarray(rope.to_pair_layout(rope.rotate(x, cos, sin)))
+    got = np.asarray(rope.rotate_pair_layout(rope.to_pair_layout(x), cos, sin))
+    np.testing.assert_allclose(got, want, atol=1e-6)
