@@ -12,6 +12,10 @@ heads: "fitted" in the space the codebook was fitted in (A k for query-aware key
 squared error is the expected squared score error; B v for output-aware values), "plain" in
 the model's own space (x_hat mapped back by the inverse transform); "first_4_*": the same
 over the first 4 positions only (the attention sinks).
+
+Codebooks of keys quantized before RoPE (``key_rope == "pre"``) encode the keys rotated back by
+their position, in RoPE-pair layout; the rotation is orthogonal, so the error there equals the
+error of the post-RoPE key against its rotated reconstruction.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from million_app.calibrate import collect_model_kv, load_model_codebooks
 from million_app.corpus import read_text
 from million_app.loading import open_model, tokenize
 from million_app.report import write_json
+from models.llama import rope_inv_freq
+from million_jax import rope
 from million_jax.quant.kv_transforms import inverse, transform_rows
 from million_jax.quant.residual_pq import decode_stages, encode_stages
 
@@ -58,12 +64,15 @@ def main() -> None:
     model = open_model(a.model)
     ids = tokenize(model, read_text(a.text))
     k, v = collect_model_kv(model, ids, window=a.window, batch=1, max_tokens=a.window)
+    cos, sin = rope.rope_cos_sin(np.arange(k.shape[2]), rope_inv_freq(model.config))  # one window: t = index
+    k_pre = np.asarray(rope.to_pair_layout(rope.unrotate(k, cos, sin)), np.float32)
     rows = []
     for path in a.codebooks:
         books, meta = load_model_codebooks(path, model)
-        row = {"codebooks": os.path.basename(path), "recipe": books.recipe,
+        keys = k_pre if books.key_rope == "pre" else k
+        row = {"codebooks": os.path.basename(path), "recipe": books.recipe, "key_rope": books.key_rope,
                "calibration_window": meta.get("calib_window"),
-               "key": relative_error_by_position(k, books.key, books.key_transform, books.stages, a.bucket),
+               "key": relative_error_by_position(keys, books.key, books.key_transform, books.stages, a.bucket),
                "value": relative_error_by_position(v, books.value, books.value_transform, books.stages, a.bucket)}
         rows.append(row)
         print(f"{row['codebooks']} ({row['recipe']}, calibrated on windows of {row['calibration_window']})")

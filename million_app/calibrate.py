@@ -19,8 +19,9 @@ from million_app.report import atomic_path, check_out_dir
 from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.cache.query_stats import QueryStatsCache
 from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, collect_kv, collect_query_gram, fit_kv_codebooks
-from million_jax.quant.codebook_io import CodebookFileError, load_kv_codebooks, save_kv_codebooks
+from million_jax.quant.codebook_io import KEY_ROPE, CodebookFileError, load_kv_codebooks, save_kv_codebooks
 from models import LoadedModel, prefill
+from models.llama import rope_inv_freq
 
 
 def model_fingerprint(model: LoadedModel) -> str:
@@ -75,10 +76,15 @@ def windows(ids: Sequence[int], window: int, max_tokens: int | None = None) -> n
 
 
 def collect_model_kvq(model: LoadedModel, ids: Sequence[int], *, window: int = 512, batch: int = 4,
-                      max_tokens: int | None = None, progress: Callable[[int, int], None] | None = None):
-    """Post-RoPE keys / values float32[L, Hkv, N, d] of the model over ``ids``, and the sums of
-    q q^T of the post-RoPE queries per KV head, float64[L, Hkv, d, d], with their counts [L, Hkv]."""
+                      max_tokens: int | None = None, progress: Callable[[int, int], None] | None = None,
+                      key_rope: str = "post"):
+    """Keys / values float32[L, Hkv, N, d] of the model over ``ids``, and the sums of q q^T of the
+    post-RoPE queries per KV head, float64[L, Hkv, d, d], with their counts [L, Hkv].
+
+    ``key_rope``: "post" keys as the model attends with them (after RoPE), "pre" keys before
+    RoPE (un-rotated at their window positions, ``million_jax.calibration.fit.collect_kv``)."""
     c = model.config
+    inv_freq = _key_rope_freqs(model, key_rope)
     w = windows(ids, window, max_tokens)
     ks, vs = [], []
     gram = np.zeros((c.n_layers, c.n_kv_heads, c.head_dim, c.head_dim))
@@ -88,7 +94,7 @@ def collect_model_kvq(model: LoadedModel, ids: Sequence[int], *, window: int = 5
         cache = QueryStatsCache.create(c.n_layers, chunk.shape[0], c.n_kv_heads, window, c.head_dim)
         lengths = jnp.full((chunk.shape[0],), window, jnp.int32)
         _, cache = prefill(c, model.params, cache, chunk, lengths, last_only=True)
-        k, v = collect_kv(cache)
+        k, v = collect_kv(cache, rope_inv_freq=inv_freq)
         g, n = collect_query_gram(cache)
         ks.append(k)
         vs.append(v)
@@ -99,11 +105,20 @@ def collect_model_kvq(model: LoadedModel, ids: Sequence[int], *, window: int = 5
     return np.concatenate(ks, axis=2), np.concatenate(vs, axis=2), gram, count
 
 
+def _key_rope_freqs(model: LoadedModel, key_rope: str) -> np.ndarray | None:
+    """The model's RoPE frequencies when keys are wanted before RoPE (None: after RoPE)."""
+    if key_rope not in KEY_ROPE:
+        raise UsageError(f"--rope must be one of {', '.join(KEY_ROPE)}, got {key_rope!r}")
+    return rope_inv_freq(model.config) if key_rope == "pre" else None
+
+
 def collect_model_kv(model: LoadedModel, ids: Sequence[int], *, window: int = 512, batch: int = 4,
-                     max_tokens: int | None = None, progress: Callable[[int, int], None] | None = None):
-    """Post-RoPE keys/values of the model over ``ids``: float32[L, Hkv, N, d] each."""
+                     max_tokens: int | None = None, progress: Callable[[int, int], None] | None = None,
+                     key_rope: str = "post"):
+    """Keys/values of the model over ``ids``: float32[L, Hkv, N, d] each (``key_rope`` as
+    :func:`collect_model_kvq`)."""
     k, v, _, _ = collect_model_kvq(model, ids, window=window, batch=batch, max_tokens=max_tokens,
-                                   progress=progress)
+                                   progress=progress, key_rope=key_rope)
     return k, v
 
 
@@ -177,6 +192,9 @@ def load_model_codebooks(path: str, model: LoadedModel) -> tuple[PQCodebooks, di
         books.check(c.n_layers, c.n_kv_heads, c.head_dim)
     except ValueError as e:
         raise UsageError(f"{path}: {e}") from None
+    if books.key_rope == "pre" and not np.allclose(books.rope_inv_freq, rope_inv_freq(c), rtol=1e-6):
+        raise UsageError(f"{path}: the keys were quantized before RoPE with other RoPE frequencies than "
+                         "this model's (rope_theta / rope scaling differ)")
     return books, meta
 
 
@@ -194,16 +212,16 @@ def meta_source(path: str) -> str:
 
 # ---------------------------------------------------------------------------- pipeline
 def calibration_kv(model: LoadedModel, ids: Sequence[int], *, tokens: int, window: int,
-                   batch: int = 4) -> tuple[np.ndarray, np.ndarray, int]:
-    """(keys, values, tokens used): post-RoPE K/V of the first ``tokens`` ids, in windows."""
-    k, v, _, _, used = calibration_kvq(model, ids, tokens=tokens, window=window, batch=batch)
+                   batch: int = 4, key_rope: str = "post") -> tuple[np.ndarray, np.ndarray, int]:
+    """(keys, values, tokens used): K/V of the first ``tokens`` ids, in windows."""
+    k, v, _, _, used = calibration_kvq(model, ids, tokens=tokens, window=window, batch=batch, key_rope=key_rope)
     return k, v, used
 
 
 def calibration_kvq(model: LoadedModel, ids: Sequence[int], *, tokens: int, window: int | Sequence[int],
-                    batch: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+                    batch: int = 4, key_rope: str = "post") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """(keys, values, query Gram sums, query counts, tokens used) of the first ``tokens`` ids
-    (see :func:`collect_model_kvq`).
+    (see :func:`collect_model_kvq`; ``key_rope`` "pre": keys before RoPE).
 
     ``window``: one length, or several (e.g. (512, 8192)): the tokens are then split into
     equal consecutive parts, part i cut into windows of length window[i], and the samples of
@@ -211,13 +229,13 @@ def calibration_kvq(model: LoadedModel, ids: Sequence[int], *, tokens: int, wind
     lengths = parse_windows(window)
     if len(lengths) == 1:
         return _windowed_forward(ids, tokens, lengths[0], "calibration forward", functools.partial(
-            collect_model_kvq, model, ids, window=lengths[0], batch=batch))
+            collect_model_kvq, model, ids, window=lengths[0], batch=batch, key_rope=key_rope))
     share = min(tokens, len(ids)) // len(lengths)
     parts = []
     for i, w in enumerate(lengths):
         part = ids[i * share:(i + 1) * share]
         parts.append(_windowed_forward(part, share, w, f"calibration forward, windows of {w}", functools.partial(
-            collect_model_kvq, model, part, window=w, batch=batch)))
+            collect_model_kvq, model, part, window=w, batch=batch, key_rope=key_rope)))
     k, v, gram, count, used = zip(*parts)
     return (np.concatenate(k, axis=2), np.concatenate(v, axis=2), sum(gram), sum(count), sum(used))
 

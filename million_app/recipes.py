@@ -13,6 +13,10 @@ A recipe is what ``million-jax calibrate --bits B`` fits without the user choosi
                               n > 0: re-encoded every n steps
     stages                    > 1: residual PQ (:mod:`million_jax.quant.residual_pq`), each stage a
                               PQ of the given dsub / nbits on what the previous stages left
+    rope                      "post": keys quantized after RoPE (MILLION's choice); "pre": before
+                              RoPE, one sub-space per RoPE pair (key_dsub 2, no query-aware keys,
+                              no fine-tuning), rotated inside attention; fitted on keys collected
+                              with ``key_rope="pre"`` (``million_app.calibrate.calibration_kvq``)
 
 Stored bits per element (keys and values together) = stages * (key_nbits / key_dsub +
 value_nbits / value_dsub) / 2. ``BEST_FOR_BITS`` holds, per budget, the recipe that measured
@@ -43,6 +47,7 @@ from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks
 from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
 from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform
 from million_jax.quant.kv_codebooks import PQCodebooks
+from models.llama import rope_inv_freq
 
 __all__ = ["Recipe", "RECIPES", "BEST_FOR_BITS", "recipe_for_bits", "fit_recipe"]
 
@@ -59,6 +64,7 @@ class Recipe:
     finetune_steps: int = 0
     finetune_reassign: int = 0
     stages: int = 1
+    rope: str = "post"
 
     @property
     def finetune(self) -> FinetuneSettings | None:
@@ -102,6 +108,12 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq4-r4-qa", 8, 8, 8, 8, query_aware=True, stages=4),
     Recipe("pq3-r2-qa", 4, 6, 4, 6, query_aware=True, stages=2),
     Recipe("pq2-r2-qa", 8, 8, 8, 8, query_aware=True, stages=2),
+    # keys quantized before RoPE, one sub-space per RoPE pair (million_jax.rope)
+    Recipe("pq4-pre", 2, 8, 2, 8, rope="pre"),
+    Recipe("pq4-pre-ow", 2, 8, 2, 8, output_aware=True, rope="pre"),
+    Recipe("pq3-pre", 2, 6, 2, 6, rope="pre"),
+    Recipe("pq2-pre", 2, 4, 4, 8, rope="pre"),
+    Recipe("pq2-pre-ow", 2, 4, 4, 8, output_aware=True, rope="pre"),
 )}
 
 # bits per element -> recipe name, the measured best per budget (module docstring, results README)
@@ -124,7 +136,8 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
 
     A recipe with ``finetune_steps`` also needs ``queries = (q, q_pos, window)``: query samples
     float32[L, Hkv, G, Nq, d], their token indices int[Nq] into the N calibration tokens and the
-    window length (``million_app.calibrate.calibration_kvq_samples``). The per-layer
+    window length (``million_app.calibrate.calibration_kvq_samples``). A ``rope="pre"`` recipe
+    needs ``k`` collected before RoPE (``calibration_kvq(..., key_rope="pre")``). The per-layer
     ``LayerFinetune`` reports are appended to ``finetune_report`` when it is a list."""
     c = model.config
     kt = query_aware_key_transform(q_gram, q_count) if recipe.query_aware else None
@@ -134,10 +147,14 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
     if ft is not None and queries is None:
         raise UsageError(f"recipe {recipe.name} fine-tunes its codebooks and needs calibration query samples "
                          "(million_app.calibrate.calibration_kvq_samples)")
+    if recipe.rope == "pre" and ft is not None:
+        raise UsageError(f"recipe {recipe.name}: fine-tuning is not implemented for keys quantized before RoPE")
+    inv_freq = rope_inv_freq(c) if recipe.rope == "pre" else None
     try:
         books = fit_kv_codebooks(k, v, **recipe.budgets(c.head_dim), granularity=granularity,
                                  key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
-                                 key_transform=kt, value_transform=vt, stages=recipe.stages)
+                                 key_transform=kt, value_transform=vt, stages=recipe.stages,
+                                 rope_inv_freq=inv_freq)
         if ft is None:
             return books
         q, q_pos, window = queries

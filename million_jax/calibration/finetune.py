@@ -472,6 +472,9 @@ def finetune_codebooks(books: PQCodebooks, q, k, v, q_pos, *, window: int,
     Returns (the tuned PQCodebooks, transforms unchanged; one LayerFinetune per layer).
     ``progress(done, total)`` runs after each layer (it may raise to stop).
     """
+    if books.key_rope == "pre":
+        raise ValueError("codebook fine-tuning is not implemented for keys quantized before RoPE (its loss "
+                         "reads post-RoPE keys); fit them with k-means only")
     if books.stages > 1:
         raise ValueError(f"codebook fine-tuning takes single-stage codebooks; these have {books.stages} "
                          "residual stages")

@@ -92,3 +92,12 @@ def test_residual_stages_commute_and_tile_the_frequencies():
     books = _fit(np.random.default_rng(4), rope_inv_freq=inv, stages=2)
     assert books.key_M == D and books.key.dsub == 2
     np.testing.assert_array_equal(np.asarray(books.key_subspace_freqs()), np.tile(inv, 2))
+
+
+def test_finetuning_pre_rope_codebooks_is_refused():
+    from million_jax.calibration.finetune import finetune_codebooks
+
+    books = _fit(np.random.default_rng(5), rope_inv_freq=rope.rope_inv_freq(D, 10000.0))
+    z = np.zeros((L, HKV, 1, 4, D), np.float32)
+    with pytest.raises(ValueError, match="not implemented for keys quantized before RoPE"):
+        finetune_codebooks(books, z, z[:, :, 0], z[:, :, 0], np.arange(4), window=4, key=jax.random.key(0))
