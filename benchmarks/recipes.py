@@ -63,13 +63,17 @@ def main() -> None:
                             "eval_seconds": r["seconds"]})
         save()
     calib_windows = parse_windows(a.calib_window or a.window, "--calib-window")
-    t0 = time.perf_counter()
-    k, v, gram, count, used = calibration_kvq(model, calib_ids, tokens=a.calib_tokens, window=calib_windows,
-                                              batch=a.batch)
-    res["calib_seconds"] = time.perf_counter() - t0
-    res["calib_tokens_used"] = used
-    for name in a.recipes.split(","):
+    names = a.recipes.split(",")
+    calib = {}  # keys after / before RoPE -> (k, v, gram, count, used): one forward per kind the recipes need
+    for key_rope in sorted({RECIPES[n].rope for n in names}):
         t0 = time.perf_counter()
+        calib[key_rope] = calibration_kvq(model, calib_ids, tokens=a.calib_tokens, window=calib_windows,
+                                          batch=a.batch, key_rope=key_rope)
+        res[f"calib_seconds_{key_rope}"] = time.perf_counter() - t0
+        res["calib_tokens_used"] = calib[key_rope][-1]
+    for name in names:
+        t0 = time.perf_counter()
+        k, v, gram, count, used = calib[RECIPES[name].rope]
         books = fit_recipe(RECIPES[name], model, k, v, gram, count, seed=a.seed, iters=a.iters,
                            max_vectors=a.max_vectors)
         fit_s = time.perf_counter() - t0
