@@ -75,13 +75,12 @@ def _in_specs(k_books, v_books, mesh: KernelMesh) -> tuple[PartitionSpec, ...]:
     return (_spec(b, h), _spec(b, h), _spec(b, h), books(k_books), books(v_books), _spec(b), _spec(b))
 
 
-def _shard_shape(x, spec: PartitionSpec, mesh: KernelMesh | None) -> jax.ShapeDtypeStruct:
+def _shard_shape(x, spec: PartitionSpec, mesh: KernelMesh) -> jax.ShapeDtypeStruct:
     """Shape and dtype of one shard of ``x`` (arrays, LayerSlices or ShapeDtypeStructs)."""
     shape = list(x.shape)
-    if mesh is not None:
-        for dim, axes in enumerate(spec):
-            for a in (axes,) if isinstance(axes, str) else axes or ():
-                shape[dim] //= mesh.mesh.shape[a]
+    for dim, axes in enumerate(spec):
+        for a in (axes,) if isinstance(axes, str) else axes or ():
+            shape[dim] //= mesh.mesh.shape[a]
     return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
 
@@ -98,10 +97,11 @@ def kernel_plan(impl: str, q: jax.Array, k_codes, v_codes, k_books, v_books,
     check_impl(impl)
     if impl == "xla" or q.shape[1] != 1 or (impl == "auto" and not _on_gpu()):
         return None
-    q1 = jax.ShapeDtypeStruct((q.shape[0],) + tuple(q.shape[2:]), q.dtype)
-    args = (q1, k_codes, v_codes, k_books, v_books)
-    specs = _in_specs(k_books, v_books, mesh) if mesh is not None else (PartitionSpec(),) * 5
-    q1, k_codes, v_codes, k_books, v_books = (_shard_shape(x, s, mesh) for x, s in zip(args, specs))
+    q1 = jax.ShapeDtypeStruct((q.shape[0],) + tuple(q.shape[2:]), q.dtype)  # the kernel's q [B, H, d]
+    if mesh is not None:
+        args = (q1, k_codes, v_codes, k_books, v_books)
+        q1, k_codes, v_codes, k_books, v_books = (
+            _shard_shape(x, s, mesh) for x, s in zip(args, _in_specs(k_books, v_books, mesh)))
     try:
         return plan_pq_kernel(pq_dims(q1, k_codes, v_codes, k_books, v_books), k_codes, v_codes)
     except ValueError as e:
