@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         cfg = preset(args.model)
         params = init_params(cfg, jax.random.PRNGKey(0))
     rng = np.random.default_rng(0)
-    step = jax.jit(lambda p, c, t, cb: decode_step(cfg, p, c, t, cb), donate_argnums=1)
+    step = lambda p, c, t, cb: decode_step(cfg, p, c, t, cb)  # noqa: E731 (jitted, cache donated)
     tok = jnp.zeros((args.batch,), jnp.int32)
     plan = [(ctx, ctx + args.steps + 2) for ctx in args.contexts]
     plan += [(args.fixed_context, t) for t in args.t_max if t >= args.fixed_context + args.steps + 2]

@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> dict:
         return f
 
     # --- Python loop of decode_step (jitted, cache donated) + jitted argmax
-    step = jax.jit(decode_step, static_argnums=0, donate_argnums=2)
     argmax = jax.jit(lambda logits: jnp.argmax(logits, -1).astype(jnp.int32))
     _, cache0 = prefill(cfg, params, new_cache(), prompts, lengths, last_only=True)
     jax.block_until_ready(cache0)
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
         tok = first
         t0 = time.perf_counter()
         for _ in range(n - 1):
-            logits, cache = step(cfg, params, cache, tok)
+            logits, cache = decode_step(cfg, params, cache, tok)
             tok = argmax(logits)
         jax.block_until_ready(tok)
         return time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """``million-jax generate``: stream text through a KV cache, then report speed and memory.
 
-Prefill runs the prompt once; then one jitted ``decode_step`` per token, each token
+Prefill runs the prompt once; then one jitted ``decode_step`` (cache donated) per token, each token
 printed as soon as it is sampled (text is flushed only at complete UTF-8 characters).
 Decode speed excludes the first step, which compiles.
 """
@@ -20,7 +20,7 @@ from million_app.errors import UsageError
 from million_app.flags import available_memory, cache_spec, check_positions
 from million_app.loading import model_name, open_model, tokenize
 from million_app.report import check_writable, human_bytes, write_json
-from models import LoadedModel, decode_step, prefill, sample_logits
+from models import LoadedModel, check_room, decode_step, prefill, sample_logits
 
 CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -73,6 +73,7 @@ def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheCh
     cfg, params = model.config, model.params
     max_len = check_fits(model, spec, len(prompt_ids), max_new_tokens)
     cache, consts = spec.build(cfg, 1, max_len)
+    check_room(cache, len(prompt_ids) + max_new_tokens - 1)  # the whole run: prompt + every decode step
     key = jax.random.PRNGKey(seed)
     eos = set(cfg.eos_ids)
 

@@ -1,6 +1,7 @@
 """LLaMA-family models for million-jax: config, functional model, loading, generation.
 
-Pure functions take ``(config, params, ...)`` explicitly::
+Pure functions take ``(config, params, ...)`` explicitly; ``prefill`` / ``decode_step`` are
+jitted with the cache donated, and ``check_room`` is the host's overflow check before them::
 
     from models import load_model, prefill, decode_step, generate
     model = load_model("smollm2")
@@ -12,15 +13,15 @@ from models.config import PRESETS, LlamaConfig, RopeScaling, preset
 from models.errors import CheckpointError, ConfigError, ModelNotInstalledError
 from models.generate import (STOP_CACHE_FULL, STOP_EOS, STOP_MAX_TOKENS, GenerateResult,
                              generate, sample_logits)
-from models.llama import (Params, cast_params, decode_step, forward, init_cache, init_params,
-                          param_shapes, prefill)
+from models.llama import (Params, cast_params, check_room, decode_step, forward, init_cache,
+                          init_params, param_shapes, prefill)
 from models.loading import LoadedModel, load_model, smollm2_gguf_path
 
 __all__ = [
     "LlamaConfig", "RopeScaling", "PRESETS", "preset",
     "CheckpointError", "ConfigError", "ModelNotInstalledError",
     "Params", "param_shapes", "init_params", "cast_params", "init_cache",
-    "forward", "prefill", "decode_step",
+    "forward", "prefill", "decode_step", "check_room",
     "generate", "GenerateResult", "sample_logits", "STOP_EOS", "STOP_MAX_TOKENS",
     "STOP_CACHE_FULL",
     "LoadedModel", "load_model", "smollm2_gguf_path",

@@ -11,7 +11,9 @@ per token. Every sequence in the batch stops on its own:
                     nothing is ever written past ``max_len``
 
 Finished sequences are frozen (``decode_step(active=...)`` writes nothing for
-them) while the others continue. The last emitted token of each sequence is
+them) while the others continue. ``prefill`` / ``decode_step`` are the model's jitted entry
+points (traced into this program; they check nothing on the host): a row without room is
+stopped here with ``cache_full`` instead, so ``generate`` needs no ``check_room``. The last emitted token of each sequence is
 not appended to the cache (as in HF): the cache holds prompt + generated
 tokens minus the last, ready for a follow-up ``prefill``.
 """

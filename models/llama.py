@@ -53,7 +53,7 @@ from models.config import LlamaConfig
 Params = dict[str, Any]
 
 __all__ = ["Params", "param_shapes", "init_params", "cast_params", "init_cache",
-           "rope_inv_freq", "forward", "prefill", "decode_step"]
+           "rope_inv_freq", "forward", "prefill", "decode_step", "check_room"]
 
 
 # ---------------------------------------------------------------- parameters
@@ -215,38 +215,45 @@ def _with_cache(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax
     return h, cache.write(writes, n_new)
 
 
-def _check_room(cache: KVCache, n_new: Any, what: str) -> None:
-    """CacheOverflowError if a row's new tokens do not fit; only when the values are on this host.
+def check_room(cache: KVCache, n_new: Any) -> None:
+    """The host's room check: CacheOverflowError unless every row's ``n_new`` new tokens fit.
 
-    Under jit (tracers) nothing can be checked here: callers test ``cache.overflow(n_new)``
-    (``generate`` stops such a row with ``cache_full``).
+    ``prefill`` and ``decode_step`` are jitted and check nothing (tokens past ``max_len`` are
+    dropped, never written out of bounds): a host caller calls this first, once per call or
+    once for a whole run (``check_room(cache, prompt_len + max_new_tokens - 1)``).
+    n_new: int[B] or a number (``decode_step``: 1, or ``active`` as 0 / 1).
+    Under jit use ``cache.overflow(n_new)`` (bool[B]; ``generate`` stops such a row with
+    ``cache_full``). Lengths spread over other hosts cannot be read here: nothing is checked.
     """
     lengths = cache.lengths
-    if any(isinstance(a, jax.core.Tracer) or not getattr(a, "is_fully_addressable", True)
-           for a in (lengths, n_new)):
+    if any(isinstance(a, jax.core.Tracer) for a in (lengths, n_new)):
+        raise TypeError("check_room runs on the host with concrete lengths; under jit test cache.overflow(n_new)")
+    if not all(getattr(a, "is_fully_addressable", True) for a in (lengths, n_new)):
         return
     lens, new = np.asarray(lengths), np.broadcast_to(np.asarray(n_new), np.shape(lengths))
     over = np.nonzero(lens + new > cache.max_len)[0]
     if over.size:
         b = int(over[0])
         raise CacheOverflowError(
-            f"{what}: sequence {b} holds {int(lens[b])} of the cache's {cache.max_len} positions "
-            f"and cannot take {int(new[b])} more (nothing written; build the cache with a larger "
-            "max_len)")
+            f"sequence {b} holds {int(lens[b])} of the cache's {cache.max_len} positions and cannot take "
+            f"{int(new[b])} more (build the cache with a larger max_len)")
 
 
-def _copy_jit_attrs(wrapper: Any, jitted: Any) -> Any:
-    """Expose the jitted function's lower / trace / eval_shape / _cache_size on its wrapper."""
-    for name in ("lower", "trace", "eval_shape", "_cache_size", "clear_cache"):
-        if hasattr(jitted, name):
-            setattr(wrapper, name, getattr(jitted, name))
-    return wrapper
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("last_only",), donate_argnums=(2,))
+def prefill(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax.Array,
+            lengths: jax.Array, cache_consts: Any = None, *,
+            last_only: bool = False) -> tuple[jax.Array, KVCache]:
+    """Append a (ragged) batch of prompts to the cache (jitted; ``cache`` is donated).
 
-
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("last_only",))
-def _prefill(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax.Array,
-             lengths: jax.Array, cache_consts: Any = None, *,
-             last_only: bool = False) -> tuple[jax.Array, KVCache]:
+    tokens: int[B, T], row b holds ``lengths[b]`` real tokens then padding.
+    Tokens are placed after what the cache already holds (chunked prefill and
+    multi-turn work by calling this again). Returns (logits, new cache) with
+    logits f32[B, T, V] (rows past lengths[b] are meaningless), or with
+    ``last_only`` f32[B, V] at each sequence's last real token (meaningless
+    where lengths[b] == 0). The passed cache is donated: use the returned one.
+    Nothing is checked on the host: call ``check_room(cache, lengths)`` first (tokens past
+    ``max_len`` are dropped); under jit test ``cache.overflow(lengths)``.
+    """
     _check_tokens(tokens, 2)
     h, cache = _with_cache(config, params, cache, tokens, lengths, cache_consts)
     if last_only:
@@ -255,49 +262,20 @@ def _prefill(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax.Ar
     return _logits(config, params, h), cache
 
 
-def prefill(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax.Array,
-            lengths: jax.Array, cache_consts: Any = None, *,
-            last_only: bool = False) -> tuple[jax.Array, KVCache]:
-    """Append a (ragged) batch of prompts to the cache (jitted).
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def decode_step(config: LlamaConfig, params: Params, cache: KVCache, token: jax.Array,
+                cache_consts: Any = None, *,
+                active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """One new token per sequence (jitted; ``cache`` is donated). token int[B] -> (logits f32[B, V], new cache).
 
-    tokens: int[B, T], row b holds ``lengths[b]`` real tokens then padding.
-    Tokens are placed after what the cache already holds (chunked prefill and
-    multi-turn work by calling this again). Returns (logits, new cache) with
-    logits f32[B, T, V] (rows past lengths[b] are meaningless), or with
-    ``last_only`` f32[B, V] at each sequence's last real token (meaningless
-    where lengths[b] == 0). Called with concrete values, a prompt that does not
-    fit raises CacheOverflowError; under jit check ``cache.overflow(lengths)``.
+    active: optional bool[B]; rows where it is False write nothing and keep
+    their length (their logits are meaningless). Used by ``generate`` to
+    freeze finished sequences inside a batch. Nothing is checked on the host: call
+    ``check_room(cache, 1)`` (or ``check_room(cache, active)``) first, or once for a whole run;
+    under jit test ``cache.overflow(...)`` (``generate`` stops such a row with ``cache_full``).
     """
-    _check_room(cache, lengths, "prefill")
-    return _prefill(config, params, cache, tokens, lengths, cache_consts, last_only=last_only)
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _decode_step(config: LlamaConfig, params: Params, cache: KVCache, token: jax.Array,
-                 cache_consts: Any = None, *,
-                 active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     _check_tokens(token, 1)
     b = token.shape[0]
     n_new = jnp.ones((b,), jnp.int32) if active is None else active.astype(jnp.int32)
     h, cache = _with_cache(config, params, cache, token[:, None], n_new, cache_consts)
     return _logits(config, params, h[:, 0]), cache
-
-
-def decode_step(config: LlamaConfig, params: Params, cache: KVCache, token: jax.Array,
-                cache_consts: Any = None, *,
-                active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-    """One new token per sequence (jitted). token int[B] -> (logits f32[B, V], new cache).
-
-    active: optional bool[B]; rows where it is False write nothing and keep
-    their length (their logits are meaningless). Used by ``generate`` to
-    freeze finished sequences inside a batch. Called with concrete values, an
-    active row whose cache is full raises CacheOverflowError; under jit check
-    ``cache.overflow(...)`` (``generate`` stops such a row with ``cache_full``).
-    """
-    _check_room(cache, 1 if active is None else jnp.asarray(active).astype(jnp.int32),
-                "decode_step")
-    return _decode_step(config, params, cache, token, cache_consts, active=active)
-
-
-_copy_jit_attrs(prefill, _prefill)
-_copy_jit_attrs(decode_step, _decode_step)

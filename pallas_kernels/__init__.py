@@ -17,8 +17,12 @@ from pallas_kernels.softmax import (
     ungroup_heads,
 )
 from pallas_kernels.pq_decode_attention import (
+    KernelPlan,
+    plan_pq_kernel,
     pq_decode_attention,
+    pq_decode_attention_planned,
     pq_decode_attention_reference,
+    pq_dims,
     pq_kernel_unsupported_reason,
 )
 
@@ -35,7 +39,11 @@ __all__ = [
     "default_launch_config",
     "merge_partials",
     "merge_stacked",
+    "KernelPlan",
+    "plan_pq_kernel",
     "pq_decode_attention",
+    "pq_decode_attention_planned",
+    "pq_dims",
     "pq_decode_attention_reference",
     "pq_kernel_unsupported_reason",
 ]

@@ -1,4 +1,10 @@
-"""Shape / dtype validation shared by the PQ decode-attention kernel and its reference."""
+"""Sizes of a PQ decode-attention call, and the validation of its public inputs.
+
+``check_pq_inputs`` validates what a user passes to the kernel or its reference (every shape,
+dtype and codes-vs-codebook fit) and returns the sizes; ``pq_dims`` only reads the sizes, for
+callers whose inputs were checked where they were built (the PQ cache checks its codes
+against its codebooks once, in ``layer_consts``; the dispatcher then plans from ``pq_dims``).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import numpy as np
 
 from pallas_kernels.code_packing import codebook_nbits, is_packed
 
-__all__ = ["PQDims", "check_pq_inputs", "is_power_of_two"]
+__all__ = ["PQDims", "check_pq_inputs", "is_power_of_two", "pq_dims"]
 
 _CODE_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16))
 
@@ -43,6 +49,39 @@ def _shape_dtype(x: object, name: str) -> tuple[tuple[int, ...], np.dtype]:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{name} must be an array, got {type(x).__name__}")
     return tuple(x.shape), np.dtype(x.dtype)  # type: ignore[attr-defined]
+
+
+def pq_dims(q, k_codes, v_codes, k_codebooks, v_codebooks) -> PQDims:
+    """The sizes of q float[B, H, d] over codes [B, Hkv, T, width] with codebooks [G, M, K, dsub].
+
+    Reads shapes only (arrays or ShapeDtypeStructs) and checks nothing but what ``PQDims``
+    cannot hold: keys and values with different M (ValueError). The fit of the codes to their
+    codebooks is the caller's: :func:`check_pq_inputs`, or the cache that built them. Codes
+    whose width is not M are read as packed at log2 K bits (:mod:`pallas_kernels.code_packing`).
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, seq_len = k_codes.shape[1:3]
+    (kg, km, kk, _), (vg, vm, vk, _) = k_codebooks.shape, v_codebooks.shape
+    if km != vm:
+        raise ValueError(f"keys and values have different M ({km} vs {vm}); the PQ kernel and its reference "
+                         "take one M for both")
+    packed = lambda codes, k: codebook_nbits(k) if codes.shape[-1] != km else 0  # noqa: E731
+    return PQDims(
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        group=num_heads // num_kv_heads,
+        head_dim=head_dim,
+        seq_len=seq_len,
+        num_subspaces=km,
+        sub_dim=head_dim // km,
+        k_centroids=kk,
+        v_centroids=vk,
+        k_groups=kg,
+        v_groups=vg,
+        k_packed_bits=packed(k_codes, kk),
+        v_packed_bits=packed(v_codes, vk),
+    )
 
 
 def check_pq_inputs(
@@ -85,8 +124,6 @@ def check_pq_inputs(
             f"q heads H={num_heads} must be a multiple of the codes' KV heads Hkv={num_kv_heads}"
         )
 
-    num_subspaces = kb_shape[1] if len(kb_shape) == 4 else -1
-    centroids, groups, packed = [], [], []
     for name, shape, dt, codes_name, c_shape, c_dtype in (
         ("k_codebooks", kb_shape, kb_dtype, "k_codes", kc_shape, kc_dtype),
         ("v_codebooks", vb_shape, vb_dtype, "v_codes", vc_shape, vc_dtype),
@@ -98,11 +135,8 @@ def check_pq_inputs(
         g, m, k, ds = shape
         if g not in (1, num_kv_heads):
             raise ValueError(f"{name} G={g} must be 1 (shared) or Hkv={num_kv_heads} (per KV head)")
-        if m != num_subspaces or m * ds != head_dim:
-            raise ValueError(
-                f"{name} shape {shape}: keys and values need the same M (k_codebooks M={num_subspaces})"
-                f" and M * dsub = q head_dim {head_dim}"
-            )
+        if m * ds != head_dim:
+            raise ValueError(f"{name} shape {shape}: M * dsub must be the q head_dim {head_dim}")
         nbits = codebook_nbits(k)
         width = c_shape[3]
         try:
@@ -114,10 +148,6 @@ def check_pq_inputs(
         max_k = 1 << (8 * c_dtype.itemsize) if not is_packed_codes else 1 << nbits
         if not 1 <= k <= max_k:
             raise ValueError(f"{name} K={k} does not fit {c_dtype} codes (1 <= K <= {max_k})")
-        centroids.append(k)
-        groups.append(g)
-        packed.append(nbits if is_packed_codes else 0)
-    sub_dim = head_dim // num_subspaces
 
     for name, shape, dt in (("start", s_shape, s_dtype), ("end", e_shape, e_dtype)):
         if shape != (batch,):
@@ -125,19 +155,4 @@ def check_pq_inputs(
         if not jnp.issubdtype(dt, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got dtype {dt}")
 
-    return PQDims(
-        batch=batch,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        group=num_heads // num_kv_heads,
-        head_dim=head_dim,
-        seq_len=seq_len,
-        num_subspaces=num_subspaces,
-        sub_dim=sub_dim,
-        k_centroids=centroids[0],
-        v_centroids=centroids[1],
-        k_groups=groups[0],
-        v_groups=groups[1],
-        k_packed_bits=packed[0],
-        v_packed_bits=packed[1],
-    )
+    return pq_dims(q, k_codes, v_codes, k_codebooks, v_codebooks)  # raises for keys / values of different M

@@ -48,6 +48,7 @@ on loaded values; integer-array indexing of a ref (pointer arithmetic) is what l
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Literal
@@ -57,14 +58,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._compat import pl, plgpu, triton_compiler_params, triton_dot
-from pallas_kernels._pq_inputs import PQDims, check_pq_inputs, is_power_of_two
+from pallas_kernels._pq_inputs import PQDims, check_pq_inputs, is_power_of_two, pq_dims
 from pallas_kernels.code_packing import assemble_codes, code_bytes, unpack_codes
 from pallas_kernels.launch import LaunchConfig, default_launch_config
 from pallas_kernels.pq_math import build_lut, gather_centroids, lut_scores
 from pallas_kernels.softmax import merge_stacked, softmax_attention
 
 __all__ = [
+    "KernelPlan",
+    "plan_pq_kernel",
     "pq_decode_attention",
+    "pq_decode_attention_planned",
+    "pq_dims",
     "pq_kernel_unsupported_reason",
     "pq_decode_attention_reference",
     "KeyPath",
@@ -219,19 +224,13 @@ def _pq_attention_kernel(
 _UNSAFE_NUMEL = (2**31, 2**32)
 
 
-def _check_kernel_support(
-    dims: PQDims, codes: tuple[jax.Array, jax.Array], cfg: LaunchConfig, key_path: str, precision: str
-) -> None:
+def _check_kernel_support(dims: PQDims, codes: tuple[Any, Any], cfg: LaunchConfig) -> None:
     numel = max(math.prod(c.shape) for c in codes)
     if _UNSAFE_NUMEL[0] < numel <= _UNSAFE_NUMEL[1]:
         raise ValueError(
             f"codes arrays of {numel} elements (2**31 < n <= 2**32) hit a 32-bit offset overflow"
             " in the Pallas Triton lowering; use the XLA path (or a batch / T_max outside that range)"
         )
-    if key_path not in ("centroid", "lut"):
-        raise ValueError(f"key_path must be 'centroid' or 'lut', got {key_path!r}")
-    if precision not in ("bf16", "fp32"):
-        raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
     for name, c in zip(("k_codes", "v_codes"), codes):
         if jnp.dtype(c.dtype) != jnp.uint8:
             raise ValueError(
@@ -252,6 +251,46 @@ def _check_kernel_support(
         raise ValueError(f"num_stages must be >= 1, got {cfg.num_stages}")
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """One checked launch of the kernel: the call's sizes, the launch config, the two modes.
+
+    Made by :func:`plan_pq_kernel`; :func:`pq_decode_attention_planned` launches it.
+    """
+
+    dims: PQDims
+    launch: LaunchConfig
+    key_path: KeyPath = "centroid"
+    precision: Precision = "bf16"
+
+
+def plan_pq_kernel(
+    dims: PQDims, k_codes: Any, v_codes: Any,
+    *,
+    block_t: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    key_path: KeyPath = "centroid",
+    precision: Precision = "bf16",
+) -> KernelPlan:
+    """The kernel's launch for a call of sizes ``dims``, or ValueError naming what it cannot take.
+
+    dims: from :func:`check_pq_inputs` (a user's inputs) or :func:`pq_dims` (inputs checked
+    where they were built, e.g. by the PQ cache). k_codes / v_codes: arrays or
+    ShapeDtypeStructs (only their dtype and size are read). Unset launch options get the
+    defaults of :mod:`pallas_kernels.launch`. Works at trace time.
+    """
+    if key_path not in ("centroid", "lut"):
+        raise ValueError(f"key_path must be 'centroid' or 'lut', got {key_path!r}")
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+    cfg = default_launch_config(dims.batch, dims.num_kv_heads, dims.seq_len, key_path=key_path, block_t=block_t,
+                                num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    _check_kernel_support(dims, (k_codes, v_codes), cfg)
+    return KernelPlan(dims, cfg, key_path, precision)
+
+
 def pq_kernel_unsupported_reason(
     q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_codebooks: jax.Array, v_codebooks: jax.Array,
     start: jax.Array, end: jax.Array,
@@ -260,34 +299,15 @@ def pq_kernel_unsupported_reason(
     """None when `pq_decode_attention` takes these inputs (arrays or ShapeDtypeStructs), else why not.
 
     ``launch``: the keyword options of `pq_decode_attention` (block_t, num_splits, num_warps,
-    num_stages, key_path, precision). For impl="auto" dispatch: a non-None answer means "use
-    the XLA reference path". Only shapes / dtypes are inspected (works at trace time).
+    num_stages, key_path, precision; another name is a TypeError). A non-None answer means
+    "use the XLA reference path". Only shapes / dtypes are inspected (works at trace time).
     """
-    unknown = set(launch) - set(LAUNCH_OPTIONS)
-    if unknown:
-        raise TypeError(f"pq_kernel_unsupported_reason: unknown launch options {sorted(unknown)}")
     try:
-        _plan((q, k_codes, v_codes, k_codebooks, v_codebooks, start, end), launch)
+        plan_pq_kernel(check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end),
+                       k_codes, v_codes, **launch)
     except ValueError as e:
         return str(e)
     return None
-
-
-LAUNCH_OPTIONS = ("block_t", "num_splits", "num_warps", "num_stages", "key_path", "precision")
-
-
-def _plan(inputs: tuple[jax.Array, ...], launch: dict) -> tuple[PQDims, LaunchConfig]:
-    """Checks the kernel's inputs and launch options; (sizes, launch config) or ValueError."""
-    dims = check_pq_inputs(*inputs)
-    key_path = launch.get("key_path", "centroid")
-    precision = launch.get("precision", "bf16")
-    sizes = {k: launch.get(k) for k in LAUNCH_OPTIONS[:4]}
-    cfg = default_launch_config(
-        dims.batch, dims.num_kv_heads, dims.seq_len,
-        key_path=key_path if key_path in ("centroid", "lut") else "centroid", **sizes,
-    )
-    _check_kernel_support(dims, (inputs[1], inputs[2]), cfg, key_path, precision)
-    return dims, cfg
 
 
 def _codebook_spec(cb: jax.Array) -> pl.BlockSpec:
@@ -338,10 +358,34 @@ def pq_decode_attention(
       ValueError: bad shapes / dtypes, or inputs this kernel does not take (unpacked uint16
         codes, non-power-of-two d / M / dsub): the caller then uses the XLA reference path.
     """
-    dims, cfg = _plan((q, k_codes, v_codes, k_codebooks, v_codebooks, start, end),
-                      dict(block_t=block_t, num_splits=num_splits, num_warps=num_warps,
-                           num_stages=num_stages, key_path=key_path, precision=precision))
+    dims = check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end)
+    plan = plan_pq_kernel(dims, k_codes, v_codes, block_t=block_t, num_splits=num_splits, num_warps=num_warps,
+                          num_stages=num_stages, key_path=key_path, precision=precision)
+    return pq_decode_attention_planned(plan, q, k_codes, v_codes, k_codebooks, v_codebooks, start, end,
+                                       scale=scale, interpret=interpret)
+
+
+def pq_decode_attention_planned(
+    plan: KernelPlan,
+    q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_codebooks: jax.Array, v_codebooks: jax.Array,
+    start: jax.Array, end: jax.Array,
+    *,
+    scale: float | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """`pq_decode_attention` with its inputs already checked and its launch already planned.
+
+    For callers that plan once (:func:`plan_pq_kernel`; the dispatcher of ``million_jax``):
+    the inputs are not validated again, only compared with the plan's sizes. Args / returns
+    as `pq_decode_attention`.
+    """
+    dims, cfg, key_path, precision = plan.dims, plan.launch, plan.key_path, plan.precision
     batch, num_heads, head_dim = dims.batch, dims.num_heads, dims.head_dim
+    if tuple(q.shape) != (batch, num_heads, head_dim) or tuple(k_codes.shape[:3]) != (
+            batch, dims.num_kv_heads, dims.seq_len):
+        raise ValueError(f"the kernel plan is for q [{batch}, {num_heads}, {head_dim}] and codes "
+                         f"[{batch}, {dims.num_kv_heads}, {dims.seq_len}, ...], got q {tuple(q.shape)} and "
+                         f"codes {tuple(k_codes.shape)}")
     hkv, group = dims.num_kv_heads, dims.group
     if dims.seq_len == 0:
         return (

@@ -2,22 +2,29 @@
 
     pq_code_attention(q, k_codes, v_codes, k_books, v_books, lo, hi, impl=..., mesh=...)
 
-goes to the fused Pallas decode kernel (:func:`pallas_kernels.pq_decode_attention`) when
+goes to the fused Pallas decode kernel (:func:`pallas_kernels.pq_decode_attention_planned`) when
 
 * the call is a decode step (one query token per sequence: T == 1), and
-* the kernel supports the shapes and dtypes (uint8 codes, one per byte or packed at their
-  real width; power-of-two d / M / dsub, ...: :func:`pallas_kernels.pq_kernel_unsupported_reason`;
-  not: keys and values with different M, :func:`dispatch_blocker`), and
-* ``impl == "pallas"`` (interpret mode off GPU: tests), or ``impl == "auto"`` on a GPU;
+* ``impl == "pallas"`` (interpret mode off GPU: tests), or ``impl == "auto"`` on a GPU, and
+* the kernel takes the shapes and dtypes (uint8 codes, one per byte or packed at their real
+  width; one M for keys and values; power-of-two d / M / dsub, ...:
+  :func:`pallas_kernels.plan_pq_kernel`);
 
 and otherwise to the pure-jnp tiled path (:func:`million_jax.attention.pq_xla.pq_attention_xla`).
 ``impl == "pallas"`` on a call the kernel cannot take is an error naming why.
 
+The tests run cheapest first (:func:`kernel_plan`): the query length and the backend before
+any shape, so ``impl="auto"`` off GPU never plans a launch. The launch is planned once per call
+and handed to the kernel, which does not check or plan again. The codes' fit to their codebooks
+is not checked here: the cache checks it once, where its constants are built
+(:meth:`million_jax.cache.pq_cache.PQCache.layer_consts`); a user calling the kernel directly
+goes through the checked :func:`pallas_kernels.pq_decode_attention`.
+
 On a device mesh (``mesh``: a :class:`KernelMesh`, recorded in the cache by
-``million_jax.sharding.shard_cache``) the kernel runs per shard under ``shard_map``: batch
-over the mesh axes that split the cache's batch, KV heads (and their GQA query heads and
-per-head codebooks) over those that split its KV heads, so a sharded cache is never gathered.
-Caches call this module; they never import the kernel themselves.
+``million_jax.sharding.shard_cache``) the kernel runs per shard under ``shard_map`` (planned
+for one shard's shapes): batch over the mesh axes that split the cache's batch, KV heads (and
+their GQA query heads and per-head codebooks) over those that split its KV heads, so a sharded
+cache is never gathered. Caches call this module; they never import the kernel themselves.
 """
 from __future__ import annotations
 
@@ -30,9 +37,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from million_jax.attention.layer_slice import ArrayOrSlice, as_array
 from million_jax.attention.pq_xla import pq_attention_xla
-from pallas_kernels import pq_decode_attention, pq_kernel_unsupported_reason
+from pallas_kernels import KernelPlan, plan_pq_kernel, pq_decode_attention_planned, pq_dims
 
-__all__ = ["IMPLS", "KernelMesh", "check_impl", "dispatch_blocker", "pq_code_attention", "use_kernel"]
+__all__ = ["IMPLS", "KernelMesh", "check_impl", "kernel_plan", "pq_code_attention"]
 
 IMPLS = ("auto", "xla", "pallas")
 
@@ -57,45 +64,63 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def dispatch_blocker(k_codes, v_codes, k_books, v_books) -> str | None:
-    """Why the kernel cannot read these codes as stored (None: nothing here stops it).
-
-    The kernel reads codes one per byte or packed at their real width, but takes one M for
-    keys and values; different key / value M take the xla path, which handles both.
-    """
-    if k_books.shape[1] != v_books.shape[1]:
-        return (f"keys and values have different M ({k_books.shape[1]} vs {v_books.shape[1]}); the kernel "
-                "takes one M for both")
-    return None
-
-
-def use_kernel(impl: str, q: jax.Array, k_codes, v_codes, k_books, v_books, lo, hi) -> bool:
-    """Whether this call goes to the Pallas kernel (see the module docstring)."""
-    check_impl(impl)
-    if impl == "xla" or q.shape[1] != 1:
-        return False  # the kernel is a decode kernel: prefill always takes the xla path
-    blocker = dispatch_blocker(k_codes, v_codes, k_books, v_books) or pq_kernel_unsupported_reason(
-        q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0], hi[:, 0])
-    if impl == "pallas" and blocker:
-        raise ValueError(f"impl='pallas' cannot run: {blocker}")
-    return blocker is None and (impl == "pallas" or _on_gpu())
-
-
 def _spec(*axes: tuple[str, ...]) -> PartitionSpec:
     return PartitionSpec(*(a if a else None for a in axes))
 
 
-def _kernel(q, k_codes, v_codes, k_books, v_books, lo, hi, mesh: KernelMesh | None, scale: float | None):
-    """(out f32[B, H, d], lse f32[B, H]) of the kernel, per shard when ``mesh`` is given."""
-    run = functools.partial(pq_decode_attention, interpret=not _on_gpu(), scale=scale)
+def _in_specs(k_books, v_books, mesh: KernelMesh) -> tuple[PartitionSpec, ...]:
+    """shard_map in_specs of (q, k_codes, v_codes, k_books, v_books, lo, hi)."""
+    b, h = mesh.batch_axes, mesh.kv_axes
+    books = lambda c: _spec(h) if c.shape[0] > 1 else _spec()  # noqa: E731
+    return (_spec(b, h), _spec(b, h), _spec(b, h), books(k_books), books(v_books), _spec(b), _spec(b))
+
+
+def _shard_shape(x, spec: PartitionSpec, mesh: KernelMesh) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of one shard of ``x`` (arrays, LayerSlices or ShapeDtypeStructs)."""
+    shape = list(x.shape)
+    for dim, axes in enumerate(spec):
+        for a in (axes,) if isinstance(axes, str) else axes or ():
+            shape[dim] //= mesh.mesh.shape[a]
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+
+def kernel_plan(impl: str, q: jax.Array, k_codes, v_codes, k_books, v_books,
+                mesh: KernelMesh | None = None) -> KernelPlan | None:
+    """The kernel's launch for this call, or None for the xla path (see the module docstring).
+
+    q float[B, T, H, d]; codes [B, Hkv, N, width] (arrays or LayerSlices); books
+    float[G, M, K, dsub]. The kernel is a decode kernel (T == 1) and ``impl="auto"`` uses it on
+    a GPU only: both are tested before any shape is looked at. The launch is then planned once,
+    for one shard's shapes when ``mesh`` is given. ``impl="pallas"`` and a call the kernel
+    cannot take: ValueError naming why.
+    """
+    check_impl(impl)
+    if impl == "xla" or q.shape[1] != 1 or (impl == "auto" and not _on_gpu()):
+        return None
+    q1 = jax.ShapeDtypeStruct((q.shape[0],) + tuple(q.shape[2:]), q.dtype)  # the kernel's q [B, H, d]
+    if mesh is not None:
+        args = (q1, k_codes, v_codes, k_books, v_books)
+        q1, k_codes, v_codes, k_books, v_books = (
+            _shard_shape(x, s, mesh) for x, s in zip(args, _in_specs(k_books, v_books, mesh)))
+    try:
+        return plan_pq_kernel(pq_dims(q1, k_codes, v_codes, k_books, v_books), k_codes, v_codes)
+    except ValueError as e:
+        if impl == "pallas":
+            raise ValueError(f"impl='pallas' cannot run: {e}") from None
+        return None
+
+
+def _kernel(plan: KernelPlan, q, k_codes, v_codes, k_books, v_books, lo, hi, mesh: KernelMesh | None,
+            scale: float | None):
+    """(out f32[B, H, d], lse f32[B, H]) of the planned kernel, per shard when ``mesh`` is given."""
+    run = functools.partial(pq_decode_attention_planned, plan, interpret=not _on_gpu(), scale=scale)
     if mesh is None:
         return run(q, k_codes, v_codes, k_books, v_books, lo, hi)
     b, h = mesh.batch_axes, mesh.kv_axes
-    books = lambda c: _spec(h) if c.shape[0] > 1 else _spec()  # noqa: E731
     sharded = jax.shard_map(
         run,
         mesh=mesh.mesh,
-        in_specs=(_spec(b, h), _spec(b, h), _spec(b, h), books(k_books), books(v_books), _spec(b), _spec(b)),
+        in_specs=_in_specs(k_books, v_books, mesh),
         out_specs=(_spec(b, h), _spec(b, h)),
         check_vma=False,
     )
@@ -119,13 +144,16 @@ def pq_code_attention(
 
     k_codes / v_codes: arrays or :class:`~million_jax.attention.layer_slice.LayerSlice` views of a
     stacked cache (the xla path reads its tiles in place; the kernel gets the layer as an array).
-    k_books / v_books: float[G, M, K, dsub], G in {1, Hkv}; lo, hi: int32[B, T].
+    k_books / v_books: float[G, M, K, dsub], G in {1, Hkv}; lo, hi: int32[B, T]. The codes
+    must fit their codebooks (width M, or M packed codes of log2 K bits): the PQ cache checks
+    that once, in ``layer_consts``, and the kernel path does not check it again.
     scale: score scale (default 1 / sqrt(d)).
     Returns (out f32[B, T, H, d], lse f32[B, T, H]), 0 / -inf for a query that sees nothing.
     """
-    if use_kernel(impl, q, k_codes, v_codes, k_books, v_books, lo, hi):
+    plan = kernel_plan(impl, q, k_codes, v_codes, k_books, v_books, mesh)
+    if plan is not None:
         k_codes, v_codes = as_array(k_codes), as_array(v_codes)
-        out, lse = _kernel(q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0],
+        out, lse = _kernel(plan, q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0],
                            jnp.maximum(hi[:, 0], lo[:, 0]), mesh, scale)
         return out[:, None], lse[:, None]
     return pq_attention_xla(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale)

@@ -86,6 +86,21 @@ class PQLayer(ExactWindowLayer):
     # not recorded); a packed width alone cannot tell 4 x 3-bit codes from 2 x 5-bit ones
     budgets: tuple[int, int, int, int, int] | None = None
 
+    def check_books(self, consts: PQCodebooks) -> PQCodebooks:
+        """``consts``, if the stored codes fit them (width M, or M packed codes of nbits, and the
+        dtype they make); else ValueError. Codes stacked [L, ...] or one layer's alike."""
+        for name, books, codes in (("key", consts.key, self.k_codes), ("value", consts.value, self.v_codes)):
+            m, nb, width = books.num_subspaces, books.nbits, codes.shape[-1]
+            try:
+                packed = is_packed(width, m, nb)
+            except ValueError as e:
+                raise ValueError(f"{name} codebooks (M={m}, nbits={nb}) do not match the cache: {e}") from None
+            want = jnp.dtype(jnp.uint8) if packed else code_dtype(nb)
+            if codes.dtype != want:
+                raise ValueError(f"{name} codebooks (M={m}, nbits={nb}) do not match the cache "
+                                 f"(codes {codes.dtype}[..., {width}])")
+        return consts
+
     def attend(self, consts: PQCodebooks, q, k, v, lengths, n_new) -> tuple[jax.Array, Writes]:
         """q float[B, T, H, d] over the stored tokens and the new k, v (float[B, T, Hkv, d]).
 
@@ -189,7 +204,11 @@ class PQCache(ExactWindowCache):
                           value_nbits=codebooks.value_nbits, stages=codebooks.stages, **kw)
 
     def layer_consts(self, cache_consts: PQCodebooks | None = None) -> PQCodebooks:
-        """The codebooks, checked against this cache (they are scanned with the layers)."""
+        """The codebooks, checked against this cache (they are scanned with the layers).
+
+        The one check of codes against codebooks on the model's path: the kernel dispatch plans
+        from the shapes without checking them again (:mod:`million_jax.attention.pq_dispatch`).
+        """
         if not isinstance(cache_consts, PQCodebooks):
             raise ValueError("PQCache needs its PQCodebooks passed as cache_consts")
         L, _, hkv = self.layers.k_codes.shape[:3]
@@ -199,15 +218,4 @@ class PQCache(ExactWindowCache):
         if self.layers.budgets is not None and tuple(self.layers.budgets) != books:
             raise ValueError(f"codebooks (key M, nbits, value M, nbits, stages = {books}) do not match the cache "
                              f"({tuple(self.layers.budgets)})")
-        for name, books, codes in (("key", cache_consts.key, self.layers.k_codes),
-                                   ("value", cache_consts.value, self.layers.v_codes)):
-            m, nb, width = books.num_subspaces, books.nbits, codes.shape[-1]
-            try:
-                packed = is_packed(width, m, nb)
-            except ValueError as e:
-                raise ValueError(f"{name} codebooks (M={m}, nbits={nb}) do not match the cache: {e}") from None
-            want = jnp.dtype(jnp.uint8) if packed else code_dtype(nb)
-            if codes.dtype != want:
-                raise ValueError(f"{name} codebooks (M={m}, nbits={nb}) do not match the cache "
-                                 f"(codes {codes.dtype}[..., {width}])")
-        return cache_consts
+        return self.layers.check_books(cache_consts)

@@ -117,6 +117,7 @@ def attend_pq(books: PQCodebooks, arrays: dict[str, jax.Array], settings: PQSett
         raise ValueError(f"PQ cache is for {codes.shape[1]} KV heads of dim {books.head_dim}, got key {key.shape}")
     flat = lambda x: x.reshape((b,) + x.shape[-3:])  # noqa: E731
     layer = PQLayer(**{n: arrays[n] for n in CACHE_FIELDS}, quantize_all=settings.quantize_all, impl=settings.impl)
+    layer.check_books(books)  # the one codes-vs-codebooks check of this call (the kernel does not repeat it)
     t = query.shape[-3]
     n_new = jnp.full((b,), t, jnp.int32)
     out, layer = layer.append(books, flat(query), flat(key), flat(value), lengths, n_new)

@@ -13,7 +13,7 @@ from million_jax.cache.pq_cache import PQCache
 from million_jax.cache.query_stats import QueryStatsCache
 from million_jax.calibration.fit import collect_query_gram
 from million_jax.quant.codebook_io import load_kv_codebooks, save_kv_codebooks
-from million_jax.attention.pq_dispatch import dispatch_blocker, pq_code_attention, use_kernel
+from million_jax.attention.pq_dispatch import kernel_plan, pq_code_attention
 from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform, sqrt_psd
 from million_jax.quant.pq import Codebooks
 from million_jax.quant.kv_codebooks import PQCodebooks
@@ -107,21 +107,22 @@ def test_decode_kernel_and_fallbacks():
     vb = jnp.asarray(rng.normal(size=(HKV, 4, 16, 2)), jnp.float32)
     kc = jnp.asarray(rng.integers(0, 256, size=(B, HKV, n, 4)), jnp.uint8)
     vc = jnp.asarray(rng.integers(0, 16, size=(B, HKV, n, 4)), jnp.uint8)
-    assert use_kernel("pallas", q, kc, vc, kb, vb, lo, hi)
+    assert kernel_plan("pallas", q, kc, vc, kb, vb) is not None
     got = pq_code_attention(q, kc, vc, kb, vb, lo, hi, impl="pallas")
     want = pq_code_attention(q, kc, vc, kb, vb, lo, hi, impl="xla")
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=2e-2, atol=2e-2)
     # packed values: the kernel reads them as stored, with the same result as unpacked
     vp = pack_codes(vc, 4)
-    assert dispatch_blocker(kc, vp, kb, vb) is None and use_kernel("pallas", q, kc, vp, kb, vb, lo, hi)
+    assert kernel_plan("pallas", q, kc, vp, kb, vb).dims.v_packed_bits == 4
     np.testing.assert_array_equal(np.asarray(pq_code_attention(q, kc, vp, kb, vb, lo, hi, impl="pallas")[0]),
                                   np.asarray(got[0]))
     np.testing.assert_array_equal(np.asarray(pq_code_attention(q, kc, vp, kb, vb, lo, hi, impl="xla")[0]),
                                   np.asarray(want[0]))
-    # different M for keys and values: the reason names it
+    # different M for keys and values: "auto" takes the xla path, "pallas" names the reason
     vb2 = jnp.asarray(rng.normal(size=(HKV, 2, 256, 4)), jnp.float32)
     vc2 = jnp.asarray(rng.integers(0, 256, size=(B, HKV, n, 2)), jnp.uint8)
-    assert "different M" in dispatch_blocker(kc, vc2, kb, vb2)
+    with pytest.raises(ValueError, match="impl='pallas' cannot run: keys and values have different M"):
+        kernel_plan("pallas", q, kc, vc2, kb, vb2)
 
 
 def test_query_stats_cache_sums_real_queries():

@@ -170,6 +170,8 @@ def run_case(config: LlamaConfig, kind: str, mesh_shape: tuple[int, int] | None,
     res["tokens"] = np.asarray(out.tokens).tolist()
     res["donation_warnings"] = [str(w.message)[:200] for w in caught if "donat" in str(w.message)]
     cache = out.cache
+    if mesh_shape is not None:  # before the decode steps below, which donate this cache
+        errors += [e for e in [sharding_error("generate", cache, mesh, rules)] if e]
     res["cache"] = {jax.tree_util.keystr(path): np.asarray(x)
                     for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]}
     tok = jnp.asarray(out.tokens[:, -1])
@@ -184,8 +186,7 @@ def run_case(config: LlamaConfig, kind: str, mesh_shape: tuple[int, int] | None,
     l2, cache = step(params, cache, tok, books)
     res["logits"] = [np.asarray(x, np.float32) for x in (logits_p, l1, l2)]
     if mesh_shape is not None:
-        errors += [e for e in (sharding_error("generate", out.cache, mesh, rules),
-                               sharding_error("decode_step", cache, mesh, rules)) if e]
+        errors += [e for e in [sharding_error("decode_step", cache, mesh, rules)] if e]
         res["cache_sharding_errors"] = errors
         min_elems = min_layer_shard_elems(cache)
         colls = collectives(hlo)
