@@ -60,7 +60,15 @@ from pallas_kernels._compat import pl, plgpu, triton_compiler_params, triton_dot
 from pallas_kernels._pq_inputs import PQDims, check_pq_inputs, is_power_of_two
 from pallas_kernels.code_packing import assemble_codes, code_bytes, unpack_codes
 from pallas_kernels.launch import LaunchConfig, default_launch_config
-from pallas_kernels.pq_math import build_lut, gather_centroids, lut_scores
+from pallas_kernels.pq_math import (
+    build_lut,
+    check_rope_inv_freq,
+    gather_centroids,
+    lut_scores,
+    quarter_turn,
+    rope_cos_sin,
+    rope_lut_scores,
+)
 from pallas_kernels.softmax import merge_stacked, softmax_attention
 
 __all__ = [
@@ -418,13 +426,16 @@ def pq_decode_attention_reference(
     start: jax.Array, end: jax.Array,
     *,
     scale: float | None = None,
+    rope_inv_freq: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pure-jnp fp32 reference of `pq_decode_attention` (any backend, uint8 / uint16 / packed codes).
 
     Written with the shared math: LUT[b, g, h, m, j] = q_m . Ck_m[j] (`pq_math.build_lut`),
     score = scale * sum_m LUT[m, code_m] (`pq_math.lut_scores`), values = the value centroids
     the codes name (`pq_math.gather_centroids`), masked softmax over start[b] <= t < end[b]
-    (`softmax.softmax_attention`).
+    (`softmax.softmax_attention`). Pre-RoPE keys (``rope_inv_freq``): the two tables q.c and
+    q.Jc and score = scale * sum_m cos_tm LUT + sin_tm LUTJ (`pq_math.rope_lut_scores`), the
+    angles of row t from `pq_math.rope_cos_sin`.
 
     Args / returns: as `pq_decode_attention` (codes may also be uint16[B, Hkv, T, M]).
     Memory: O(B * H * T * M) for the gathered LUT entries.
@@ -438,7 +449,13 @@ def pq_decode_attention_reference(
     lut = build_lut(q_grouped, k_codebooks)  # [B, Hkv, group, M, Kk]
     k_codes = unpack_codes(k_codes, dims.num_subspaces, dims.k_packed_bits) if dims.k_packed_bits else k_codes
     v_codes = unpack_codes(v_codes, dims.num_subspaces, dims.v_packed_bits) if dims.v_packed_bits else v_codes
-    scores = scale * lut_scores(lut, k_codes)  # [B, Hkv, group, T]
+    if rope_inv_freq is None:
+        scores = scale * lut_scores(lut, k_codes)  # [B, Hkv, group, T]
+    else:
+        check_rope_inv_freq(rope_inv_freq, dims.num_subspaces, dims.sub_dim)
+        lut_j = build_lut(q_grouped, quarter_turn(k_codebooks))
+        cos, sin = rope_cos_sin(jnp.arange(t_len, dtype=jnp.int32), rope_inv_freq)  # [T, M]
+        scores = scale * rope_lut_scores(lut, lut_j, k_codes, cos, sin)
     t = jnp.arange(t_len)
     valid = (t[None, :] >= start.astype(jnp.int32)[:, None]) & (t[None, :] < end.astype(jnp.int32)[:, None])
     v_hat = gather_centroids(v_codebooks, v_codes)  # [B, Hkv, T, d]
