@@ -69,13 +69,14 @@ def dispatch_blocker(k_codes, v_codes, k_books, v_books) -> str | None:
     return None
 
 
-def use_kernel(impl: str, q: jax.Array, k_codes, v_codes, k_books, v_books, lo, hi) -> bool:
+def use_kernel(impl: str, q: jax.Array, k_codes, v_codes, k_books, v_books, lo, hi,
+               rope_inv_freq: jax.Array | None = None) -> bool:
     """Whether this call goes to the Pallas kernel (see the module docstring)."""
     check_impl(impl)
     if impl == "xla" or q.shape[1] != 1:
         return False  # the kernel is a decode kernel: prefill always takes the xla path
     blocker = dispatch_blocker(k_codes, v_codes, k_books, v_books) or pq_kernel_unsupported_reason(
-        q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0], hi[:, 0])
+        q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0], hi[:, 0], rope_inv_freq=rope_inv_freq)
     if impl == "pallas" and blocker:
         raise ValueError(f"impl='pallas' cannot run: {blocker}")
     return blocker is None and (impl == "pallas" or _on_gpu())
@@ -85,21 +86,29 @@ def _spec(*axes: tuple[str, ...]) -> PartitionSpec:
     return PartitionSpec(*(a if a else None for a in axes))
 
 
-def _kernel(q, k_codes, v_codes, k_books, v_books, lo, hi, mesh: KernelMesh | None, scale: float | None):
-    """(out f32[B, H, d], lse f32[B, H]) of the kernel, per shard when ``mesh`` is given."""
+def _kernel(q, k_codes, v_codes, k_books, v_books, lo, hi, mesh: KernelMesh | None, scale: float | None,
+            rope_inv_freq: jax.Array | None = None):
+    """(out f32[B, H, d], lse f32[B, H]) of the kernel, per shard when ``mesh`` is given.
+
+    rope_inv_freq (pre-RoPE keys) is per key sub-space, so every shard gets all of it."""
     run = functools.partial(pq_decode_attention, interpret=not _on_gpu(), scale=scale)
+    args = (q, k_codes, v_codes, k_books, v_books, lo, hi)
+    if rope_inv_freq is not None:
+        run = lambda *a, run=run: run(*a[:-1], rope_inv_freq=a[-1])  # noqa: E731
+        args += (rope_inv_freq,)
     if mesh is None:
-        return run(q, k_codes, v_codes, k_books, v_books, lo, hi)
+        return run(*args)
     b, h = mesh.batch_axes, mesh.kv_axes
     books = lambda c: _spec(h) if c.shape[0] > 1 else _spec()  # noqa: E731
+    in_specs = (_spec(b, h), _spec(b, h), _spec(b, h), books(k_books), books(v_books), _spec(b), _spec(b))
     sharded = jax.shard_map(
         run,
         mesh=mesh.mesh,
-        in_specs=(_spec(b, h), _spec(b, h), _spec(b, h), books(k_books), books(v_books), _spec(b), _spec(b)),
+        in_specs=in_specs + ((_spec(),) if rope_inv_freq is not None else ()),
         out_specs=(_spec(b, h), _spec(b, h)),
         check_vma=False,
     )
-    return sharded(q, k_codes, v_codes, k_books, v_books, lo, hi)
+    return sharded(*args)
 
 
 def pq_code_attention(
@@ -114,6 +123,7 @@ def pq_code_attention(
     impl: str = "auto",
     mesh: KernelMesh | None = None,
     scale: float | None = None,
+    rope_inv_freq: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of q float[B, T, H, d] over codes uint[B, Hkv, N, M] for lo <= s < hi.
 
@@ -121,11 +131,13 @@ def pq_code_attention(
     stacked cache (the xla path reads its tiles in place; the kernel gets the layer as an array).
     k_books / v_books: float[G, M, K, dsub], G in {1, Hkv}; lo, hi: int32[B, T].
     scale: score scale (default 1 / sqrt(d)).
+    rope_inv_freq: float32[M] or None: keys quantized before RoPE (sub-space m = RoPE pair m,
+      code row s = absolute position s; :func:`million_jax.attention.pq_xla.pq_attention_xla`).
     Returns (out f32[B, T, H, d], lse f32[B, T, H]), 0 / -inf for a query that sees nothing.
     """
-    if use_kernel(impl, q, k_codes, v_codes, k_books, v_books, lo, hi):
+    if use_kernel(impl, q, k_codes, v_codes, k_books, v_books, lo, hi, rope_inv_freq):
         k_codes, v_codes = as_array(k_codes), as_array(v_codes)
         out, lse = _kernel(q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0],
-                           jnp.maximum(hi[:, 0], lo[:, 0]), mesh, scale)
+                           jnp.maximum(hi[:, 0], lo[:, 0]), mesh, scale, rope_inv_freq)
         return out[:, None], lse[:, None]
-    return pq_attention_xla(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale)
+    return pq_attention_xla(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale, rope_inv_freq=rope_inv_freq)
