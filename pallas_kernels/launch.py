@@ -36,12 +36,16 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["LaunchConfig", "default_launch_config", "TARGET_PROGRAMS", "MIN_TILES_PER_SPLIT"]
+__all__ = ["LaunchConfig", "default_launch_config", "TARGET_PROGRAMS", "MIN_TILES_PER_SPLIT", "DEFAULT_BLOCK_T_ROPE"]
 
 TARGET_PROGRAMS = 512
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
 DEFAULT_BLOCK_T = {"centroid": 64, "lut": 32}
+# Pre-RoPE keys (rope_inv_freq): the in-tile offset cos / sin [block_t, M] stay in registers
+# for the whole program; at block_t=64 / 4 warps that hits the 255-register cap, at 32 it is
+# 168 registers, no spills (3 programs per SM, as the post-RoPE default).
+DEFAULT_BLOCK_T_ROPE = 32
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 

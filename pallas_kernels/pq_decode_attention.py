@@ -41,6 +41,17 @@ Kernel design (grid = (B, Hkv, num_splits)):
     a second step (plain jnp, `softmax.merge_stacked`) combines the splits by log-sum-exp.
   * precision="bf16" (default): dot operands in bf16 with fp32 accumulation, the same
     arithmetic as a bf16 dense decode; "fp32": exact fp32 dots (slower, for validation).
+  * keys quantized before RoPE (``rope_inv_freq``; dsub = 2, sub-space m = RoPE pair m, code
+    row t = position t), centroid path only: score_t = q . R(t f) c_t is computed as
+    (R(-b) q) . (R(o) c_t) with t = t0 + o, b = t0 f the tile's base angle and o f the
+    in-tile offset. The base cos / sin [M] are computed once per tile, the offset cos / sin
+    [block_t, M] once per program (the same for every tile), both with the exact fixed-point
+    angles of `pq_math.rope_phase` (integer ops + one cos / sin, float32, never stored); per
+    token and pair the kernel then does one 2 x 2 rotation of the gathered centroid. q comes
+    split into its even / odd pair components ([2, block_h, M]) and the score is two dots
+    (even and odd halves), since Triton cannot interleave or slice loaded values. The LUT
+    path is refused: it would gather two tables per query head and token instead of one
+    centroid per token.
 
 Why not plain `take_along_axis` in the kernel: the Triton lowering has no gather or slice
 on loaded values; integer-array indexing of a ref (pointer arithmetic) is what lowers.
@@ -60,8 +71,19 @@ from jax import lax
 from pallas_kernels._compat import pl, plgpu, triton_compiler_params, triton_dot
 from pallas_kernels._pq_inputs import PQDims, check_pq_inputs, is_power_of_two, pq_dims
 from pallas_kernels.code_packing import assemble_codes, code_bytes, unpack_codes
-from pallas_kernels.launch import LaunchConfig, default_launch_config
-from pallas_kernels.pq_math import build_lut, gather_centroids, lut_scores
+from pallas_kernels.launch import DEFAULT_BLOCK_T_ROPE, LaunchConfig, default_launch_config
+from pallas_kernels.pq_math import (
+    build_lut,
+    check_rope_inv_freq,
+    gather_centroids,
+    lut_scores,
+    phase_cos_sin,
+    quarter_turn,
+    rope_cos_sin,
+    rope_lut_scores,
+    rope_phase,
+    rope_turns,
+)
 from pallas_kernels.softmax import merge_stacked, softmax_attention
 
 __all__ = [
@@ -100,14 +122,13 @@ def _split_range(
 def _pq_attention_kernel(
     start_ref,  # int32[B]
     end_ref,  # int32[B]
-    q_ref,  # f32[block_h, d] (pre-scaled)
+    q_ref,  # f32[block_h, d] (pre-scaled); pre-RoPE: f32[2, block_h, M] (even / odd pair components)
     kc_ref,  # uint8[T, M], or packed uint8[T, ceil(M * k_packed_bits / 8)]
     vc_ref,  # alike for values
     ktab_ref,  # centroid: [M, Kk, dsub] key codebook; lut: f32[group, M, Kk]
     vcb_ref,  # [M, Kv, dsub] value codebook
-    o_ref,  # f32[block_h, d]
-    lse_ref,  # f32[block_h]
-    *,
+    *refs,  # pre-RoPE: turns_ref uint32[2, M] (`pq_math.rope_turns`); then o_ref f32[block_h, d], lse_ref f32[block_h]
+    rope: bool,
     block_t: int,
     num_splits: int,
     group: int,
@@ -118,7 +139,8 @@ def _pq_attention_kernel(
     k_packed_bits: int,
     v_packed_bits: int,
 ) -> None:
-    block_h, head_dim = q_ref.shape
+    turns_ref, o_ref, lse_ref = refs if rope else (None, *refs)
+    block_h, head_dim = o_ref.shape
     num_sub, _, sub_dim = vcb_ref.shape
     b = pl.program_id(0)
     lo, hi = _split_range(start_ref[b], end_ref[b], pl.program_id(2), num_splits, block_t)
@@ -127,8 +149,14 @@ def _pq_attention_kernel(
     lut_rows = pl.next_power_of_2(group)
     dot_dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
     dot_precision = None if precision == "bf16" else lax.Precision.HIGHEST
-    q = q_ref[...].astype(dot_dtype)
     t_idx = jnp.arange(block_t, dtype=jnp.int32)
+    if rope:
+        q_even, q_odd = q_ref[0], q_ref[1]  # f32[block_h, M]
+        turns_hi, turns_lo = turns_ref[0], turns_ref[1]  # uint32[M]
+        # in-tile offsets o: cos / sin of o * f, the same for every tile of the program
+        off_cos, off_sin = phase_cos_sin(rope_phase(t_idx[:, None], turns_hi[None, :], turns_lo[None, :]))
+    else:
+        q = q_ref[...].astype(dot_dtype)
     m_idx3 = jnp.arange(num_sub, dtype=jnp.int32)[None, :, None]
     s_idx3 = jnp.arange(sub_dim, dtype=jnp.int32)[None, None, :]
 
@@ -168,7 +196,22 @@ def _pq_attention_kernel(
         t0 = lo + i * block_t
         valid = t0 + t_idx < hi  # [block_t]; >= 1 valid row in every iterated tile
         kc = load_codes(kc_ref, t0, valid, k_centroids, k_packed_bits)
-        if key_path == "centroid":
+        if rope:
+            # score = (R(-b) q) . (R(o) c): q turned back by the tile's base angle b = t0 f,
+            # each gathered centroid pair turned by its in-tile offset (see the module docstring)
+            base_cos, base_sin = phase_cos_sin(rope_phase(t0, turns_hi, turns_lo))  # [M]
+            bc, bs = base_cos[None, :], base_sin[None, :]
+            u_even = (q_even * bc + q_odd * bs).astype(dot_dtype)
+            u_odd = (q_odd * bc - q_even * bs).astype(dot_dtype)
+            shape = (block_t, num_sub)
+            idx_m = jnp.broadcast_to(jnp.arange(num_sub, dtype=jnp.int32)[None, :], shape)
+            c_even = ktab_ref[idx_m, kc, jnp.zeros(shape, jnp.int32)].astype(jnp.float32)  # [block_t, M]
+            c_odd = ktab_ref[idx_m, kc, jnp.ones(shape, jnp.int32)].astype(jnp.float32)
+            k_even = (off_cos * c_even - off_sin * c_odd).astype(dot_dtype)
+            k_odd = (off_cos * c_odd + off_sin * c_even).astype(dot_dtype)
+            scores = triton_dot(u_even, k_even, trans_b=True, precision=dot_precision) + triton_dot(
+                u_odd, k_odd, trans_b=True, precision=dot_precision)  # [block_h, block_t]
+        elif key_path == "centroid":
             k_hat = dequantise(ktab_ref, kc).astype(dot_dtype)
             scores = triton_dot(q, k_hat, trans_b=True, precision=dot_precision)  # [block_h, block_t]
         else:
@@ -262,6 +305,7 @@ class KernelPlan:
     launch: LaunchConfig
     key_path: KeyPath = "centroid"
     precision: Precision = "bf16"
+    rope: bool = False  # keys quantized before RoPE (the launch takes rope_inv_freq)
 
 
 def plan_pq_kernel(
@@ -273,41 +317,63 @@ def plan_pq_kernel(
     num_stages: int | None = None,
     key_path: KeyPath = "centroid",
     precision: Precision = "bf16",
+    rope: bool = False,
 ) -> KernelPlan:
     """The kernel's launch for a call of sizes ``dims``, or ValueError naming what it cannot take.
 
     dims: from :func:`check_pq_inputs` (a user's inputs) or :func:`pq_dims` (inputs checked
     where they were built, e.g. by the PQ cache). k_codes / v_codes: arrays or
-    ShapeDtypeStructs (only their dtype and size are read). Unset launch options get the
+    ShapeDtypeStructs (only their dtype and size are read). ``rope``: keys quantized before
+    RoPE (see `pq_decode_attention`'s ``rope_inv_freq``). Unset launch options get the
     defaults of :mod:`pallas_kernels.launch`. Works at trace time.
     """
     if key_path not in ("centroid", "lut"):
         raise ValueError(f"key_path must be 'centroid' or 'lut', got {key_path!r}")
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+    if rope and block_t is None:
+        block_t = DEFAULT_BLOCK_T_ROPE
     cfg = default_launch_config(dims.batch, dims.num_kv_heads, dims.seq_len, key_path=key_path, block_t=block_t,
                                 num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
     _check_kernel_support(dims, (k_codes, v_codes), cfg)
-    return KernelPlan(dims, cfg, key_path, precision)
+    if rope:
+        _check_rope_support(dims, key_path)
+    return KernelPlan(dims, cfg, key_path, precision, rope)
 
 
 def pq_kernel_unsupported_reason(
     q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_codebooks: jax.Array, v_codebooks: jax.Array,
     start: jax.Array, end: jax.Array,
+    rope_inv_freq: jax.Array | None = None,
     **launch: Any,
 ) -> str | None:
     """None when `pq_decode_attention` takes these inputs (arrays or ShapeDtypeStructs), else why not.
 
     ``launch``: the keyword options of `pq_decode_attention` (block_t, num_splits, num_warps,
-    num_stages, key_path, precision; another name is a TypeError). A non-None answer means
-    "use the XLA reference path". Only shapes / dtypes are inspected (works at trace time).
+    num_stages, key_path, precision; another name is a TypeError); ``rope_inv_freq``: as there
+    (pre-RoPE keys). A non-None answer means "use the XLA reference path". Only shapes / dtypes
+    are inspected (works at trace time).
     """
     try:
-        plan_pq_kernel(check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end),
-                       k_codes, v_codes, **launch)
+        dims = check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end)
+        plan_pq_kernel(dims, k_codes, v_codes, rope=rope_inv_freq is not None, **launch)
+        if rope_inv_freq is not None:
+            check_rope_inv_freq(rope_inv_freq, dims.num_subspaces, dims.sub_dim)
     except ValueError as e:
         return str(e)
     return None
+
+
+def _check_rope_support(dims: PQDims, key_path: str) -> None:
+    """ValueError unless the kernel takes pre-RoPE keys of these sizes on ``key_path``."""
+    if key_path != "centroid":
+        raise ValueError("pre-RoPE keys (rope_inv_freq) run on key_path='centroid' only: the LUT path would "
+                         "gather two tables per query head and token (use the XLA path for the LUT form)")
+    if dims.sub_dim != 2:
+        raise ValueError(f"pre-RoPE keys need one sub-space per RoPE pair (dsub = 2), got dsub {dims.sub_dim}")
+    if dims.num_subspaces < MIN_BLOCK_T:
+        raise ValueError(f"pre-RoPE keys need M = head_dim / 2 >= {MIN_BLOCK_T} in the kernel (tl.dot over the "
+                         f"pair halves), got M={dims.num_subspaces}; use the XLA path")
 
 
 def _codebook_spec(cb: jax.Array) -> pl.BlockSpec:
@@ -329,6 +395,7 @@ def pq_decode_attention(
     key_path: KeyPath = "centroid",
     precision: Precision = "bf16",
     interpret: bool = False,
+    rope_inv_freq: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode attention of one query per sequence over PQ-coded keys and values (Pallas).
 
@@ -343,13 +410,19 @@ def pq_decode_attention(
       start: int32[B]; end: int32[B]: tokens start[b] <= t < end[b] are attended (clipped
         to [0, T]; an empty range gives out 0 and lse -inf).
       scale: score scale, default 1 / sqrt(d).
-      block_t: tokens per tile (power of two >= 16); default 64 (centroid) / 16 (lut).
+      block_t: tokens per tile (power of two >= 16); default 64 (centroid) / 32 (lut) / 32
+        (pre-RoPE keys, `launch.DEFAULT_BLOCK_T_ROPE`).
       num_splits: split-K factor; default from `launch.default_num_splits` (~512 programs).
       num_warps: Triton warps per program, default 4.  num_stages: default 2.
       key_path: "centroid" (gather key centroids, one dot per tile; default) or "lut"
         (MILLION's LUT sum; see the module docstring).
       precision: "bf16" (bf16 dot operands, fp32 accumulation; default) or "fp32".
       interpret: run the kernel in Pallas interpret mode (CPU, tests).
+      rope_inv_freq: float32[M] or None (default: keys quantized after RoPE). Keys quantized
+        before RoPE: key sub-space m is RoPE pair m (dsub = 2, head dims in pair layout, q
+        rotated at its own position already), code row t is the key of position t, rotated
+        here by t * rope_inv_freq[m] (rotate-half convention; exact fixed-point angles,
+        `pq_math.rope_phase`). key_path="centroid" only, M >= 16.
 
     Returns:
       (out float32[B, H, d], lse float32[B, H]) as `pq_decode_attention_reference`.
@@ -360,9 +433,12 @@ def pq_decode_attention(
     """
     dims = check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end)
     plan = plan_pq_kernel(dims, k_codes, v_codes, block_t=block_t, num_splits=num_splits, num_warps=num_warps,
-                          num_stages=num_stages, key_path=key_path, precision=precision)
+                          num_stages=num_stages, key_path=key_path, precision=precision,
+                          rope=rope_inv_freq is not None)
+    if rope_inv_freq is not None:
+        check_rope_inv_freq(rope_inv_freq, dims.num_subspaces, dims.sub_dim)
     return pq_decode_attention_planned(plan, q, k_codes, v_codes, k_codebooks, v_codebooks, start, end,
-                                       scale=scale, interpret=interpret)
+                                       scale=scale, interpret=interpret, rope_inv_freq=rope_inv_freq)
 
 
 def pq_decode_attention_planned(
@@ -372,14 +448,19 @@ def pq_decode_attention_planned(
     *,
     scale: float | None = None,
     interpret: bool = False,
+    rope_inv_freq: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`pq_decode_attention` with its inputs already checked and its launch already planned.
 
     For callers that plan once (:func:`plan_pq_kernel`; the dispatcher of ``million_jax``):
     the inputs are not validated again, only compared with the plan's sizes. Args / returns
-    as `pq_decode_attention`.
+    as `pq_decode_attention`; ``rope_inv_freq`` is given exactly when the plan says ``rope``.
     """
     dims, cfg, key_path, precision = plan.dims, plan.launch, plan.key_path, plan.precision
+    rope = plan.rope
+    if rope != (rope_inv_freq is not None):
+        raise ValueError(f"the kernel plan is for {'pre' if rope else 'post'}-RoPE keys; rope_inv_freq "
+                         f"{'missing' if rope else 'given'}")
     batch, num_heads, head_dim = dims.batch, dims.num_heads, dims.head_dim
     if tuple(q.shape) != (batch, num_heads, head_dim) or tuple(k_codes.shape[:3]) != (
             batch, dims.num_kv_heads, dims.seq_len):
@@ -397,6 +478,11 @@ def pq_decode_attention_planned(
 
     q_grouped = (q.astype(jnp.float32) * scale).reshape(batch, hkv, group, head_dim)
     q_padded = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+    if rope:  # [B, Hkv, 2, block_h, M]: pair components apart (the kernel cannot slice loaded values)
+        q_padded = jnp.moveaxis(q_padded.reshape(batch, hkv, block_h, head_dim // 2, 2), -1, 2)
+        q_spec = pl.BlockSpec((None, None, 2, block_h, head_dim // 2), lambda b, h, s: (b, h, 0, 0, 0))
+    else:
+        q_spec = pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0))
     start = jnp.clip(start.astype(jnp.int32), 0, dims.seq_len)
     end = jnp.clip(end.astype(jnp.int32), 0, dims.seq_len)
 
@@ -413,6 +499,7 @@ def pq_decode_attention_planned(
     s_count = cfg.num_splits
     kernel = functools.partial(
         _pq_attention_kernel,
+        rope=rope,
         block_t=cfg.block_t,
         num_splits=s_count,
         group=group,
@@ -425,17 +512,22 @@ def pq_decode_attention_planned(
     )
     codes_spec = lambda c: pl.BlockSpec((None, None, t_len, c.shape[-1]), lambda b, h, s: (b, h, 0, 0))  # noqa: E731
     full_b = pl.BlockSpec((batch,), lambda b, h, s: (0,))
+    extra_in, extra_specs = (), []
+    if rope:
+        extra_in = (jnp.stack(rope_turns(rope_inv_freq)),)  # uint32[2, M]
+        extra_specs = [pl.BlockSpec((2, n_sub), lambda b, h, s: (0, 0))]
     out_p, lse_p = pl.pallas_call(
         kernel,
         grid=(batch, hkv, s_count),
         in_specs=[
             full_b,
             full_b,
-            pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            q_spec,
             codes_spec(k_codes),
             codes_spec(v_codes),
             key_spec,
             _codebook_spec(v_codebooks),
+            *extra_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
@@ -448,7 +540,7 @@ def pq_decode_attention_planned(
         compiler_params=triton_compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="pq_decode_attention",
-    )(start, end, q_padded, k_codes, v_codes, key_table, v_codebooks)
+    )(start, end, q_padded, k_codes, v_codes, key_table, v_codebooks, *extra_in)
 
     out, lse = merge_stacked(out_p[:, :, :, :group], lse_p[:, :, :, :group], axis=2)
     return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
@@ -462,13 +554,16 @@ def pq_decode_attention_reference(
     start: jax.Array, end: jax.Array,
     *,
     scale: float | None = None,
+    rope_inv_freq: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pure-jnp fp32 reference of `pq_decode_attention` (any backend, uint8 / uint16 / packed codes).
 
     Written with the shared math: LUT[b, g, h, m, j] = q_m . Ck_m[j] (`pq_math.build_lut`),
     score = scale * sum_m LUT[m, code_m] (`pq_math.lut_scores`), values = the value centroids
     the codes name (`pq_math.gather_centroids`), masked softmax over start[b] <= t < end[b]
-    (`softmax.softmax_attention`).
+    (`softmax.softmax_attention`). Pre-RoPE keys (``rope_inv_freq``): the two tables q.c and
+    q.Jc and score = scale * sum_m cos_tm LUT + sin_tm LUTJ (`pq_math.rope_lut_scores`), the
+    angles of row t from `pq_math.rope_cos_sin`.
 
     Args / returns: as `pq_decode_attention` (codes may also be uint16[B, Hkv, T, M]).
     Memory: O(B * H * T * M) for the gathered LUT entries.
@@ -482,7 +577,13 @@ def pq_decode_attention_reference(
     lut = build_lut(q_grouped, k_codebooks)  # [B, Hkv, group, M, Kk]
     k_codes = unpack_codes(k_codes, dims.num_subspaces, dims.k_packed_bits) if dims.k_packed_bits else k_codes
     v_codes = unpack_codes(v_codes, dims.num_subspaces, dims.v_packed_bits) if dims.v_packed_bits else v_codes
-    scores = scale * lut_scores(lut, k_codes)  # [B, Hkv, group, T]
+    if rope_inv_freq is None:
+        scores = scale * lut_scores(lut, k_codes)  # [B, Hkv, group, T]
+    else:
+        check_rope_inv_freq(rope_inv_freq, dims.num_subspaces, dims.sub_dim)
+        lut_j = build_lut(q_grouped, quarter_turn(k_codebooks))
+        cos, sin = rope_cos_sin(jnp.arange(t_len, dtype=jnp.int32), rope_inv_freq)  # [T, M]
+        scores = scale * rope_lut_scores(lut, lut_j, k_codes, cos, sin)
     t = jnp.arange(t_len)
     valid = (t[None, :] >= start.astype(jnp.int32)[:, None]) & (t[None, :] < end.astype(jnp.int32)[:, None])
     v_hat = gather_centroids(v_codebooks, v_codes)  # [B, Hkv, T, d]

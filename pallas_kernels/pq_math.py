@@ -8,17 +8,43 @@ one codebook per KV head, or ``G = 1`` shared) that broadcast against the codes'
     build_lut          LUT[m, j] = q_m . C_m[j] for each query row (MILLION's lookup table)
     lut_scores         score = sum_m LUT[m, code_m] for each key (no dequantization)
 
+Keys quantized *before* RoPE (pre-RoPE codebooks; dsub = 2, sub-space m = RoPE pair m, the
+caller's head dims permuted so the pair is adjacent). Stored code row t is the key of absolute
+position t; its pair m is rotated by the angle t * inv_freq[m] in rotate-half convention,
+R(a) c = cos(a) c + sin(a) J c with J (c1, c2) = (-c2, c1). For a query q (rotated at its own
+position already): q_m . R(a) c = cos(a) (q_m . c) + sin(a) (q_m . J c), i.e. two tables:
+
+    quarter_turn       J c for every centroid (so build_lut(q, quarter_turn(C)) is the q.Jc table)
+    rope_lut_scores    score = sum_m cos_tm LUT[m, code_m] + sin_tm LUTJ[m, code_m]
+    rotate_pairs       R(a) applied pair-wise (dequantized keys of a tile, the kernel's tiles)
+    rope_turns         inv_freq -> turns per position as 64-bit fixed point (hi, lo uint32)
+    rope_phase         position -> angle mod 2 pi as uint32 turns, exact integer arithmetic
+    phase_cos_sin      uint32 turns -> (cos, sin) in float32
+    rope_cos_sin       positions, inv_freq -> (cos, sin) float32[..., M] (the three above)
+
+Why fixed-point turns: the naive float32 ``t * inv_freq`` is off by up to half an ulp of the
+angle (4e-3 rad at t = 128K), far above what attention in float32 tolerates. Here the
+frequency is converted once to turns per position with 64 fractional bits (exact float32
+pieces of f and 1 / (2 pi), summed as integers), the angle of position t is ``t * U mod 1``
+in wrapping uint32 arithmetic (no rounding at all), and only the final angle in [-pi, pi) is
+a float: about 3e-7 rad for any position < 2**31 (tests/pallas_kernels/test_pre_rope.py
+measures it against float64). All integer / elementwise, so the Pallas kernel runs the same
+functions on its tiles.
+
 Used by ``million_jax.quant.pq`` (encode/decode), the xla attention-from-codes path and the Pallas
 kernel's reference.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["gather_centroids", "build_lut", "lut_scores"]
+__all__ = ["gather_centroids", "build_lut", "lut_scores", "quarter_turn", "rope_lut_scores", "rotate_pairs",
+           "rope_turns", "rope_phase", "phase_cos_sin", "rope_cos_sin", "check_rope_inv_freq"]
 
 
 def gather_centroids(centroids: jax.Array, codes: jax.Array) -> jax.Array:
@@ -70,3 +96,148 @@ def lut_scores(lut: jax.Array, codes: jax.Array) -> jax.Array:
     idx = jnp.broadcast_to(idx, lut.shape[:3] + idx.shape[3:])
     picked = jnp.take_along_axis(lut, idx, axis=-1, mode="clip")  # [B, Hkv, R, M, N]
     return jnp.sum(picked, axis=-2)
+
+
+# --------------------------------------------------------------------------- pre-RoPE keys
+
+
+def quarter_turn(centroids: jax.Array) -> jax.Array:
+    """J c = (-c2, c1) for pair sub-vectors: centroids float[..., 2] -> float32[..., 2]."""
+    if centroids.shape[-1] != 2:
+        raise ValueError(f"pre-RoPE key centroids are RoPE pairs (dsub = 2), got dsub {centroids.shape[-1]}")
+    c = centroids.astype(jnp.float32)
+    return jnp.stack([-c[..., 1], c[..., 0]], axis=-1)
+
+
+def rope_lut_scores(lut: jax.Array, lut_j: jax.Array, codes: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """scores[b, h, r, n] = sum_m cos[n, m] lut[.., m, c_nm] + sin[n, m] lut_j[.., m, c_nm].
+
+    lut, lut_j: f32[B, Hkv, R, M, K] (q.c and q.Jc: `build_lut` with the centroids and with
+    `quarter_turn` of them); codes: int[B, Hkv, N, M]; cos, sin: f32[N, M] or [B, N, M] (the
+    rotation of key row n). Returns f32[B, Hkv, R, N] (= q . R(angle_n) c_n).
+    """
+    idx = jnp.swapaxes(codes.astype(jnp.int32), -1, -2)[:, :, None]  # [B, Hkv, 1, M, N]
+    idx = jnp.broadcast_to(idx, lut.shape[:3] + idx.shape[3:])
+    pick = lambda t: jnp.take_along_axis(t, idx, axis=-1, mode="clip")  # noqa: E731  [B, Hkv, R, M, N]
+    cs = jnp.swapaxes(cos, -1, -2)  # [(B,) M, N]
+    sn = jnp.swapaxes(sin, -1, -2)
+    if cs.ndim == 3:
+        cs, sn = cs[:, None, None], sn[:, None, None]
+    return jnp.sum(cs * pick(lut) + sn * pick(lut_j), axis=-2)
+
+
+def rotate_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x float[..., N, 2M] in pair layout (pair m = dims 2m, 2m + 1), cos / sin f32[N, M]
+    (broadcastable to x[..., N, M]) -> float32[..., N, 2M], pair m rotated by its angle."""
+    pairs = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+
+
+def check_rope_inv_freq(rope_inv_freq, num_subspaces: int, sub_dim: int) -> None:
+    """ValueError unless ``rope_inv_freq`` is float[M] for a key codebook of M RoPE-pair sub-spaces."""
+    if sub_dim != 2:
+        raise ValueError(f"rope_inv_freq (keys quantized before RoPE) needs key sub-spaces that are RoPE pairs "
+                         f"(dsub = 2), got dsub {sub_dim}")
+    shape = tuple(getattr(rope_inv_freq, "shape", ()))
+    dtype = getattr(rope_inv_freq, "dtype", None)
+    if shape != (num_subspaces,) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"rope_inv_freq must be float32[M={num_subspaces}] (one frequency per key sub-space), "
+                         f"got {dtype}{list(shape)}")
+
+
+# 2 / pi in binary, 24 bits per entry (fdlibm's ipio2 table): 1 / (2 pi) = this / 4.
+_TWO_OVER_PI_24 = (0xA2F983, 0x6E4E44, 0x1529FC, 0x2757D1, 0xF534DD, 0xC0DB62, 0x95993C)
+_PIECE_BITS = 12  # a 12-bit piece of f times a 12-bit piece of 1 / (2 pi) is exact in float32
+
+
+def _inv_two_pi_pieces(count: int = 5) -> tuple[float, ...]:
+    """1 / (2 pi) as ``count`` float32-exact pieces of 12 significant bits (sum: 60 bits)."""
+    n = len(_TWO_OVER_PI_24) * 24
+    x = 0
+    for chunk in _TWO_OVER_PI_24:
+        x = (x << 24) | chunk  # 1 / (2 pi) = x * 2**-(n + 2); x's top bit is bit n - 1
+    pieces, pos = [], n
+    for _ in range(count):
+        pos -= _PIECE_BITS
+        top = x >> pos
+        x -= top << pos
+        pieces.append(float(top) * 2.0 ** (pos - n - 2))
+    return tuple(pieces)
+
+
+_INV_TWO_PI = _inv_two_pi_pieces()
+
+
+def _u32(x) -> jax.Array:
+    return jnp.asarray(x, jnp.uint32)
+
+
+def _fixed64(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x float32 >= 0 (its exact value) -> (hi, lo) uint32 with x mod 1 = hi 2**-32 + lo 2**-64
+    (truncated below 2**-64)."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    e = (bits >> 23).astype(jnp.int32) & 0xFF
+    m = (bits & _u32(0x7FFFFF)) | jnp.where(e > 0, _u32(0x800000), _u32(0))
+    sh = jnp.maximum(e, 1) - 86  # x * 2**64 = m * 2**sh
+    right = jnp.where(sh <= -24, _u32(0), m >> jnp.clip(-sh, 0, 31).astype(jnp.uint32))
+    s1 = jnp.clip(sh, 0, 31).astype(jnp.uint32)
+    lo_1 = m << s1
+    hi_1 = jnp.where(s1 == 0, _u32(0), m >> jnp.maximum(_u32(32) - s1, _u32(1)))
+    hi_2 = m << jnp.clip(sh - 32, 0, 31).astype(jnp.uint32)
+    lo = jnp.where(sh < 0, right, jnp.where(sh < 32, lo_1, _u32(0)))
+    hi = jnp.where(sh < 0, _u32(0), jnp.where(sh < 32, hi_1, jnp.where(sh < 64, hi_2, _u32(0))))
+    return hi, lo
+
+
+def rope_turns(inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """inv_freq float32[M] (> 0, radians per position) -> (hi, lo) uint32[M]: inv_freq / (2 pi)
+    mod 1 as 64-bit fixed point, U = hi 2**-32 + lo 2**-64 turns per position (error < 2**-60).
+
+    f is split exactly into two pieces of 12 significant bits, 1 / (2 pi) is five such pieces;
+    every product of two pieces is exact in float32 and is added as a 64-bit integer.
+    """
+    f = jnp.asarray(inv_freq, jnp.float32)
+    f_hi = lax.bitcast_convert_type(lax.bitcast_convert_type(f, jnp.uint32) & _u32(0xFFFFF000), jnp.float32)
+    hi, lo = jnp.zeros(f.shape, jnp.uint32), jnp.zeros(f.shape, jnp.uint32)
+    for part in (f_hi, f - f_hi):  # f - f_hi is exact: the low 12 mantissa bits
+        for c in _INV_TWO_PI:
+            p_hi, p_lo = _fixed64(part * jnp.float32(c))
+            lo = lo + p_lo
+            hi = hi + p_hi + (lo < p_lo).astype(jnp.uint32)
+    return hi, lo
+
+
+def rope_phase(positions: jax.Array, turns_hi: jax.Array, turns_lo: jax.Array) -> jax.Array:
+    """Angle of each position mod 2 pi, as uint32 turns (2**32 = one turn): floor(t * U) mod 2**32.
+
+    positions: int[...] (0 <= t < 2**31); turns_hi, turns_lo: uint32 from `rope_turns`,
+    broadcastable against positions (e.g. positions [N, 1] with turns [M] -> [N, M]).
+    Exact wrapping integer arithmetic (16-bit limbs for the high word of t * lo).
+    """
+    t = jnp.asarray(positions).astype(jnp.uint32)
+    th, tl = t >> 16, t & _u32(0xFFFF)
+    a, b = turns_lo >> 16, turns_lo & _u32(0xFFFF)
+    x1, x2, x3 = th * b, tl * a, tl * b
+    mid = (x1 & _u32(0xFFFF)) + (x2 & _u32(0xFFFF)) + (x3 >> 16)
+    carry = th * a + (x1 >> 16) + (x2 >> 16) + (mid >> 16)  # floor(t * lo / 2**32)
+    return t * turns_hi + carry
+
+
+_RAD_PER_UNIT = 2.0 * math.pi / 2.0**32
+
+
+def phase_cos_sin(phase: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint32 turns -> (cos, sin) float32 of the angle, taken in [-pi, pi)."""
+    signed = lax.bitcast_convert_type(phase, jnp.int32)
+    low = signed & 0xFF  # the high 24 bits convert to float32 exactly, the low 8 apart
+    angle = (signed - low).astype(jnp.float32) * jnp.float32(_RAD_PER_UNIT) + low.astype(jnp.float32) * jnp.float32(
+        _RAD_PER_UNIT)
+    return jnp.cos(angle), jnp.sin(angle)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions int[...] (>= 0), inv_freq float32[M] -> (cos, sin) float32[..., M] of the
+    angles positions * inv_freq, computed without float rounding of the angle (module docstring)."""
+    hi, lo = rope_turns(inv_freq)
+    return phase_cos_sin(rope_phase(jnp.asarray(positions)[..., None], hi, lo))

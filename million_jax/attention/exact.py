@@ -120,7 +120,7 @@ def tiled_dense_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = group_heads(q, hkv)  # [B, Hkv, G, T, d]
 
-    def tile_fn(parts, rows):
+    def tile_fn(parts, rows, start):
         kt, vt = parts
         return einsum_f32("bkgtd,bksd->bkgts", qg, kt) * scale, vt
 

@@ -85,14 +85,14 @@ def _shard_shape(x, spec: PartitionSpec, mesh: KernelMesh) -> jax.ShapeDtypeStru
 
 
 def kernel_plan(impl: str, q: jax.Array, k_codes, v_codes, k_books, v_books,
-                mesh: KernelMesh | None = None) -> KernelPlan | None:
+                mesh: KernelMesh | None = None, *, rope: bool = False) -> KernelPlan | None:
     """The kernel's launch for this call, or None for the xla path (see the module docstring).
 
     q float[B, T, H, d]; codes [B, Hkv, N, width] (arrays or LayerSlices); books
     float[G, M, K, dsub]. The kernel is a decode kernel (T == 1) and ``impl="auto"`` uses it on
     a GPU only: both are tested before any shape is looked at. The launch is then planned once,
     for one shard's shapes when ``mesh`` is given. ``impl="pallas"`` and a call the kernel
-    cannot take: ValueError naming why.
+    cannot take: ValueError naming why. ``rope``: keys quantized before RoPE.
     """
     check_impl(impl)
     if impl == "xla" or q.shape[1] != 1 or (impl == "auto" and not _on_gpu()):
@@ -103,7 +103,7 @@ def kernel_plan(impl: str, q: jax.Array, k_codes, v_codes, k_books, v_books,
         q1, k_codes, v_codes, k_books, v_books = (
             _shard_shape(x, s, mesh) for x, s in zip(args, _in_specs(k_books, v_books, mesh)))
     try:
-        return plan_pq_kernel(pq_dims(q1, k_codes, v_codes, k_books, v_books), k_codes, v_codes)
+        return plan_pq_kernel(pq_dims(q1, k_codes, v_codes, k_books, v_books), k_codes, v_codes, rope=rope)
     except ValueError as e:
         if impl == "pallas":
             raise ValueError(f"impl='pallas' cannot run: {e}") from None
@@ -111,20 +111,26 @@ def kernel_plan(impl: str, q: jax.Array, k_codes, v_codes, k_books, v_books,
 
 
 def _kernel(plan: KernelPlan, q, k_codes, v_codes, k_books, v_books, lo, hi, mesh: KernelMesh | None,
-            scale: float | None):
-    """(out f32[B, H, d], lse f32[B, H]) of the planned kernel, per shard when ``mesh`` is given."""
+            scale: float | None, rope_inv_freq: jax.Array | None = None):
+    """(out f32[B, H, d], lse f32[B, H]) of the planned kernel, per shard when ``mesh`` is given.
+
+    rope_inv_freq (pre-RoPE keys) is per key sub-space, so every shard gets all of it."""
     run = functools.partial(pq_decode_attention_planned, plan, interpret=not _on_gpu(), scale=scale)
+    args = (q, k_codes, v_codes, k_books, v_books, lo, hi)
+    if rope_inv_freq is not None:
+        run = lambda *a, run=run: run(*a[:-1], rope_inv_freq=a[-1])  # noqa: E731
+        args += (rope_inv_freq,)
     if mesh is None:
-        return run(q, k_codes, v_codes, k_books, v_books, lo, hi)
+        return run(*args)
     b, h = mesh.batch_axes, mesh.kv_axes
     sharded = jax.shard_map(
         run,
         mesh=mesh.mesh,
-        in_specs=_in_specs(k_books, v_books, mesh),
+        in_specs=_in_specs(k_books, v_books, mesh) + ((_spec(),) if rope_inv_freq is not None else ()),
         out_specs=(_spec(b, h), _spec(b, h)),
         check_vma=False,
     )
-    return sharded(q, k_codes, v_codes, k_books, v_books, lo, hi)
+    return sharded(*args)
 
 
 def pq_code_attention(
@@ -139,6 +145,7 @@ def pq_code_attention(
     impl: str = "auto",
     mesh: KernelMesh | None = None,
     scale: float | None = None,
+    rope_inv_freq: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of q float[B, T, H, d] over codes uint[B, Hkv, N, M] for lo <= s < hi.
 
@@ -148,12 +155,14 @@ def pq_code_attention(
     must fit their codebooks (width M, or M packed codes of log2 K bits): the PQ cache checks
     that once, in ``layer_consts``, and the kernel path does not check it again.
     scale: score scale (default 1 / sqrt(d)).
+    rope_inv_freq: float32[M] or None: keys quantized before RoPE (sub-space m = RoPE pair m,
+      code row s = absolute position s; :func:`million_jax.attention.pq_xla.pq_attention_xla`).
     Returns (out f32[B, T, H, d], lse f32[B, T, H]), 0 / -inf for a query that sees nothing.
     """
-    plan = kernel_plan(impl, q, k_codes, v_codes, k_books, v_books, mesh)
+    plan = kernel_plan(impl, q, k_codes, v_codes, k_books, v_books, mesh, rope=rope_inv_freq is not None)
     if plan is not None:
         k_codes, v_codes = as_array(k_codes), as_array(v_codes)
         out, lse = _kernel(plan, q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0],
-                           jnp.maximum(hi[:, 0], lo[:, 0]), mesh, scale)
+                           jnp.maximum(hi[:, 0], lo[:, 0]), mesh, scale, rope_inv_freq)
         return out[:, None], lse[:, None]
-    return pq_attention_xla(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale)
+    return pq_attention_xla(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale, rope_inv_freq=rope_inv_freq)

@@ -18,6 +18,13 @@ Shapes (one layer):
     v_codes:      alike with Mv (keys and values may have different M and nbits)
     k_centroids:  float[G, Mk, Kk, d / Mk], G in {1, Hkv}   (v_centroids: [G, Mv, Kv, d / Mv])
     lo, hi:       int32[B, T]   query t of sequence b sees tokens lo <= s < hi
+    rope_inv_freq: float32[Mk] or None. None: keys quantized after RoPE (MILLION). Else the
+                  keys were quantized before RoPE, key sub-space m is RoPE pair m (dsub = 2,
+                  pair layout) and stored row s is the key of absolute position s: its pair m
+                  is rotated by s * rope_inv_freq[m] here (q is rotated at its own position
+                  already). With the LUT: two tables (q.c, q.Jc) and
+                  score = sum_m cos LUT + sin LUTJ; with the matmul: the tile's decoded keys
+                  rotated (`pallas_kernels.pq_math`, exact fixed-point angles).
 Returns (out float32[B, T, H, d], lse float32[B, T, H]); 0 / -inf when a query sees no token.
 """
 from __future__ import annotations
@@ -29,7 +36,18 @@ import jax.numpy as jnp
 
 from pallas_kernels.code_packing import codebook_nbits, is_packed, maybe_unpack
 from million_jax.attention.tiling import tiled_attention
-from pallas_kernels.pq_math import build_lut, gather_centroids, lut_scores
+from pallas_kernels.pq_math import (
+    build_lut,
+    check_rope_inv_freq,
+    gather_centroids,
+    lut_scores,
+    phase_cos_sin,
+    quarter_turn,
+    rope_lut_scores,
+    rope_phase,
+    rope_turns,
+    rotate_pairs,
+)
 from pallas_kernels.softmax import einsum_f32, group_heads
 
 __all__ = ["pq_attention_xla", "LUT_MAX_QUERIES"]
@@ -50,6 +68,7 @@ def pq_attention_xla(
     *,
     scale: float | None = None,
     tile: int = 512,
+    rope_inv_freq: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of q over tokens stored as PQ codes (see module docstring)."""
     b, t, h, d = q.shape
@@ -73,14 +92,27 @@ def pq_attention_xla(
     qg = group_heads(q.astype(jnp.float32), hkv)  # [B, Hkv, G, T, d]
     grp = h // hkv
     tile = max(1, min(tile, n))
-    lut = build_lut(qg.reshape(b, hkv, grp * t, d), k_centroids) if t <= LUT_MAX_QUERIES else None
+    use_lut = t <= LUT_MAX_QUERIES
+    lut = build_lut(qg.reshape(b, hkv, grp * t, d), k_centroids) if use_lut else None
+    if rope_inv_freq is not None:
+        check_rope_inv_freq(rope_inv_freq, k_centroids.shape[1], k_centroids.shape[3])
+        turns = rope_turns(rope_inv_freq)  # once per call; each tile's angles from its positions
+        lut_j = build_lut(qg.reshape(b, hkv, grp * t, d), quarter_turn(k_centroids)) if use_lut else None
 
-    def tile_fn(parts, rows):
+    def key_scores(kc_tile, rows, start):
+        if rope_inv_freq is None:
+            if use_lut:
+                return lut_scores(lut, kc_tile).reshape(b, hkv, grp, t, -1)
+            return einsum_f32("bkgtd,bksd->bkgts", qg, gather_centroids(k_centroids, kc_tile))
+        pos = start + jnp.arange(rows, dtype=jnp.int32)
+        cos, sin = phase_cos_sin(rope_phase(pos[:, None], *turns))  # [rows, Mk]
+        if use_lut:
+            return rope_lut_scores(lut, lut_j, kc_tile, cos, sin).reshape(b, hkv, grp, t, -1)
+        keys = rotate_pairs(gather_centroids(k_centroids, kc_tile), cos, sin)
+        return einsum_f32("bkgtd,bksd->bkgts", qg, keys)
+
+    def tile_fn(parts, rows, start):
         kc_tile, vc_tile = unpack_k(parts[0]), unpack_v(parts[1])
-        if lut is not None:
-            scores = lut_scores(lut, kc_tile).reshape(b, hkv, grp, t, -1)
-        else:
-            scores = einsum_f32("bkgtd,bksd->bkgts", qg, gather_centroids(k_centroids, kc_tile))
-        return scores * scale, gather_centroids(v_centroids, vc_tile)
+        return key_scores(kc_tile, rows, start) * scale, gather_centroids(v_centroids, vc_tile)
 
     return tiled_attention((b, hkv, grp, t), d, tile, lo, hi, [(k_codes, 1), (v_codes, 1)], tile_fn)

@@ -22,9 +22,9 @@ from pallas_kernels.softmax import OnlineSoftmax, ungroup_heads
 
 __all__ = ["tiled_attention"]
 
-# (per-array tile slices, token rows in this tile) ->
+# (per-array tile slices, token rows in this tile, token index of the tile's first row) ->
 #     (scores f32[B, Hkv, G, T, rows], values float[B, Hkv, rows, d])
-TileFn = Callable[[tuple[jax.Array, ...], int], tuple[jax.Array, jax.Array]]
+TileFn = Callable[[tuple[jax.Array, ...], int, jax.Array], tuple[jax.Array, jax.Array]]
 
 
 def tiled_attention(
@@ -43,7 +43,7 @@ def tiled_attention(
     lo, hi: int32[B, T]: query t of sequence b sees tokens lo <= s < hi.
     arrays: (x [B, Hkv, ceil(N / rows_per_entry), ...], rows_per_entry) pairs, x an array or a
       LayerSlice; N is taken from the first (rows_per_entry 1). Each is sliced per tile and
-      handed to ``tile_fn``.
+      handed to ``tile_fn`` with the tile's row count and first token index (int32 scalar).
     Returns (out f32[B, T, H, d], lse f32[B, T, H]); 0 / -inf for a query that sees nothing.
     """
     n = arrays[0][0].shape[2]
@@ -57,7 +57,7 @@ def tiled_attention(
 
     def step(state: OnlineSoftmax, start: jax.Array, rows: int) -> OnlineSoftmax:
         parts = tuple(row_slice(x, start // per, -(-rows // per), axis=2) for x, per in arrays)
-        scores, values = tile_fn(parts, rows)
+        scores, values = tile_fn(parts, rows, start)
         s_pos = start + jnp.arange(rows, dtype=jnp.int32)
         vis = (s_pos[None, None, :] >= lo[:, :, None]) & (s_pos[None, None, :] < hi[:, :, None])
         return state.step(scores, vis[:, None, None], values)

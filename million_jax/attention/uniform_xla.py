@@ -66,7 +66,7 @@ def uniform_attention_xla(
     tile = -(-max(1, min(tile, k_codes.shape[2])) // key_rows) * key_rows
     qg = group_heads(q.astype(jnp.float32), hkv)  # [B, Hkv, G, T, d]
 
-    def tile_fn(parts, rows):
+    def tile_fn(parts, rows, start):
         kct, kst, kzt, vct, vst, vzt = parts
         kx = lambda st: expand_stats(st, key_rows, kc, rows, d)  # noqa: E731
         vx = lambda st: expand_stats(st, 1, vc, rows, d)  # noqa: E731
