@@ -1,4 +1,4 @@
-"""``python -m benchmarks.gpu_e2e``: see the package docstring (``--help``)."""
+"""``python -m benchmarks.gpu_e2e``: see the docstring of ``cli`` (``--help``)."""
 
 import sys
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +19,7 @@ from million_jax.cache.dense import DenseCache
 from million_jax.cache.pq_cache import PQCache, PQCodebooks
 from models import LlamaConfig
 
-if TYPE_CHECKING:
-    from .cli import Settings
+from .settings import Settings
 
 
 def make_cache(kind: str, config: LlamaConfig, batch: int, t_max: int, dtype: Any, *,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +15,8 @@ from million_jax.quant.pq import decode, encode
 from models import prefill
 
 from .caches import dense_prefix, make_cache, min_length
-
-if TYPE_CHECKING:
-    from .cli import Settings
-    from .runner import ModelState
+from .settings import Settings
+from .state import ModelState
 
 
 @functools.partial(jax.jit, static_argnames=("chunk",))

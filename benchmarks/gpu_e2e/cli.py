@@ -1,57 +1,76 @@
-"""Command line -> Settings, and ``main``."""
+"""End-to-end long-context decoding on one GPU: PQ KV cache vs bf16 KV cache, and GPU k-means.
+
+MILLION's headline experiment, in our JAX model, in one call on a lent H200 (installs
+nothing, reads nothing from the network):
+
+  * models: a LLaMA-2-7B-shaped decoder (32 layers, 32 q / 32 kv heads, d 128) and a
+    LLaMA-3.1-8B-shaped one (32 / 8, GQA), random bf16 weights generated on the device;
+  * caches: the preallocated, donated bf16 ``DenseCache`` (the baseline) and the ``PQCache``
+    (M=64, nbits=8: 4 bits / element, no exact window or sinks by default) with layer_head
+    codebooks from a quick k-means on the model's own post-RoPE K/V (a short random-token
+    prompt prefilled into a DenseCache -> ``collect_kv`` -> ``fit_kv_codebooks``);
+  * grid: batch 1 and 8 x contexts 4K, 16K, 32K, 64K, ordered so the headline rows (batch 1
+    at 32K and 4K, both models) run first;
+  * the project's k-means (``million_jax.quant.pq.fit_codebooks``) on 1M vectors, d=128, M=64,
+    nbits=8, 25 iterations.
+
+Per row (model, batch, context, cache):
+  fill     "prefill": the context (random tokens) is run through the model by a jitted
+           ``lax.fori_loop`` of chunked ``models.prefill`` calls, cache donated; timed once
+           (``prefill_seconds``; for PQ this includes encoding every token). Used for batch 1
+           up to 32K by default. "synthetic": the cache is created already holding
+           ``context`` tokens of hashed pseudo-random K/V (bf16) or codes (PQ); decode time
+           does not depend on the values, and this keeps the O(T^2) jnp prefill of long or
+           batched contexts out of the time budget. ``prefill_seconds`` is then null.
+  decode   ``ms_per_token``: ``models.generate`` (inside one jit, cache donated) continuing
+           the filled cache with a 1-token prompt for N new tokens: one t=1 prefill step plus
+           N-1 steps of the ``lax.while_loop``, i.e. N forward passes; wall time / N, median
+           of ``--repeats`` calls after one warm-up call (compiled ahead, so no compile time
+           is included). EOS is disabled so every call makes exactly N tokens.
+  memory   ``peak_bytes``: the compiled decode program's memory analysis (arguments +
+           outputs + temporaries - donated aliases: weights + cache + scratch). JAX cannot
+           reset the allocator's ``peak_bytes_in_use``, so that is recorded only as the
+           process-wide running maximum (``process_peak_bytes_in_use``), next to the live
+           ``bytes_in_use`` right after the fill. A row whose compiled programs would not fit
+           in the free device memory is recorded as "oom" without allocating anything; a
+           RESOURCE_EXHAUSTED at run time is caught and recorded the same way.
+  impl     PQ decode uses the Pallas kernel on GPU when it supports the shapes (what
+           ``impl="auto"`` does); if it fails to compile or run, the row is redone with
+           ``impl="xla"`` (recorded in ``impl`` / ``impl_note``) and later rows use xla.
+
+A global time guard (``--budget-s``) stops starting new work when the estimated cost of the
+next step would overrun, records the rest as "skipped", and still writes the results. The
+JSON and markdown are rewritten after every row, so a run cut short leaves what it had.
+
+Outputs: <out>/gpu_e2e_<date>.json (a list of row dicts; ``kind`` is "env", "model",
+"kmeans" or "decode"; every row carries model, context, batch, cache, ms_per_token, speedup,
+peak_bytes, prefill_seconds, impl, device) and <out>/gpu_e2e_<date>.md (tables and a "where
+the time goes" section computed from the measured numbers and a measured copy bandwidth).
+
+Run from the repository root:
+
+  python -m benchmarks.gpu_e2e --out DIR           # full grid, about 8 min on an H200
+  python -m benchmarks.gpu_e2e --quick --out DIR   # contexts 4K + 32K, fewer tokens
+  python -m benchmarks.gpu_e2e --tiny --out DIR    # CPU smoke test, tiny models (< 1 min)
+
+This module: the command line -> ``Settings``, and ``main``. The package docstring lists the
+other modules.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import jax
 
 from .._gpu_common import GiB, gpu_parser, today, warn_if_no_gpu
-
-from .. import gpu_e2e as _package
 from .runner import Runner
+from .settings import Settings
 from .shapes import model_configs
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """Everything a run needs, resolved from the command line (see ``parse_args``)."""
-
-    tiny: bool
-    models: tuple[str, ...]
-    contexts: tuple[int, ...]
-    batches: tuple[int, ...]
-    new_tokens: int
-    repeats: int
-    M: int
-    nbits: int
-    window: int
-    sinks: int
-    pq_impl: str
-    dtype: str  # weights and full-precision caches: bfloat16 (float32 for --tiny on CPU)
-    prefill_batches: tuple[int, ...]
-    prefill_max_context: int
-    prefill_score_bytes: int
-    calib_tokens: int
-    calib_iters: int
-    calib_chunk: int
-    kmeans_vectors: int
-    kmeans_dim: int
-    kmeans_M: int
-    kmeans_nbits: int
-    kmeans_iters: int
-    skip_kmeans: bool
-    budget_s: float
-    assume_device_bytes: int | None
-    out: str
-    stamp: str
-    fail_pallas: bool  # test hook: pretend the Pallas kernel fails at compile time
-    plan_only: bool
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = gpu_parser(_package.__doc__, "tiny models on CPU (smoke test)")
+    p = gpu_parser(__doc__, "tiny models on CPU (smoke test)")
     p.prog = "python -m benchmarks.gpu_e2e"
     p.add_argument("--quick", action="store_true", help="reduced grid: contexts 4K + 32K, N=8")
     p.add_argument("--models", nargs="*", default=None, help="subset of model names")

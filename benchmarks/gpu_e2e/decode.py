@@ -7,7 +7,7 @@ import math
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +22,7 @@ from .memory import compile_program, failure_status, is_oom, layer_state_ops, sh
 from .prefill import compile_fill, fill_cache, prefill_work
 from .report import new_row
 from .shapes import cache_bytes_per_step, param_bytes, t_max_for, tree_bytes, weight_bytes_per_step
-
-if TYPE_CHECKING:
-    from .runner import ModelState, Runner
+from .state import ModelState, RunState
 
 
 def make_generate_fn(config: LlamaConfig, new_tokens: int) -> Callable[..., Any]:
@@ -43,7 +41,7 @@ def make_generate_fn(config: LlamaConfig, new_tokens: int) -> Callable[..., Any]
     return jax.jit(run, donate_argnums=(1,))
 
 
-def pq_impl(r: Runner, m: ModelState, batch: int, t_max: int) -> str:
+def pq_impl(r: RunState, m: ModelState, batch: int, t_max: int) -> str:
     """'pallas' or 'xla': what impl='auto' picks on this backend (or the forced choice)."""
     if r.s.pq_impl != "auto":
         return r.s.pq_impl
@@ -52,7 +50,7 @@ def pq_impl(r: Runner, m: ModelState, batch: int, t_max: int) -> str:
     return "pallas" if pq_kernel_supported(m.config, r.s, batch, t_max) else "xla"
 
 
-def estimate_row(r: Runner, m: ModelState, batch: int, context: int, t_max: int, cache: str,
+def estimate_row(r: RunState, m: ModelState, batch: int, context: int, t_max: int, cache: str,
                  real: bool) -> float:
     """Seconds a row is expected to take (compiles + runs), for the time guard."""
     c, s = m.config, r.s
@@ -72,7 +70,7 @@ def estimate_row(r: Runner, m: ModelState, batch: int, context: int, t_max: int,
     return est
 
 
-def cache_row(r: Runner, m: ModelState, batch: int, context: int, cache: str) -> dict[str, Any]:
+def cache_row(r: RunState, m: ModelState, batch: int, context: int, cache: str) -> dict[str, Any]:
     """Append and run one decode row; PQ falls back to xla when the Pallas kernel fails."""
     s, c = r.s, m.config
     t_max = t_max_for(s, context)
@@ -134,7 +132,7 @@ def cache_row(r: Runner, m: ModelState, batch: int, context: int, cache: str) ->
     return row
 
 
-def run_row(r: Runner, m: ModelState, batch: int, context: int, t_max: int, cache: str, impl: str,
+def run_row(r: RunState, m: ModelState, batch: int, context: int, t_max: int, cache: str, impl: str,
             real: bool, row: dict[str, Any]) -> str:
     """Compile, check memory, fill, time. Returns 'ok', 'failed' or 'pallas-failed'."""
     s, c = r.s, m.config

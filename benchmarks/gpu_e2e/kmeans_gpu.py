@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +13,10 @@ from million_jax.quant.pq import Codebooks, fit_codebooks, reconstruction_mse
 
 from .memory import failure_status, short_error
 from .report import new_row
-
-if TYPE_CHECKING:
-    from .runner import Runner
+from .state import RunState
 
 
-def bench_kmeans(r: Runner) -> None:
+def bench_kmeans(r: RunState) -> None:
     """Append the "kmeans" row: a first call (incl. compile), then a timed second call."""
     s = r.s
     row = new_row("kmeans", r.device, model="kmeans", n_vectors=s.kmeans_vectors,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +13,8 @@ from models import LlamaConfig, prefill
 
 from .caches import make_synthetic_fn
 from .memory import Program, compile_program
-
-if TYPE_CHECKING:
-    from .cli import Settings
-    from .runner import ModelState
+from .settings import Settings
+from .state import ModelState
 
 PQ_PREFILL_TILE = 512  # keys per step of the xla PQ attention (million_jax.attention.pq_xla's tile)
 

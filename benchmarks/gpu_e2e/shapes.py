@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +10,7 @@ import numpy as np
 
 from models import LlamaConfig, preset
 
-if TYPE_CHECKING:
-    from .cli import Settings
+from .settings import Settings
 
 
 def model_configs(tiny: bool) -> dict[str, LlamaConfig]:
