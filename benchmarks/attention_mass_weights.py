@@ -13,7 +13,7 @@ builtin:calib, pq4-qa (2-dim sub-vectors, 8-bit codes, query-aware keys, layer_h
 import json, sys, time
 import numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__))))
-from million_app.caches import CacheChoice
+from million_jax import CacheSpec
 from million_app.calibrate import calibration_kvq_samples
 from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
@@ -56,7 +56,7 @@ print("mass share of position 0:", float(P1.reshape(L, hkv, nw, W)[..., 0].sum()
       "p2:", float(P2.reshape(L, hkv, nw, W)[..., 0].sum() / P2.sum()), flush=True)
 kt = query_aware_key_transform(gram, count)
 rows = []
-dense = evaluate(model, eval_ids, CacheChoice(kind="dense"), window=512, max_tokens=4096)
+dense = evaluate(model, eval_ids, CacheSpec("dense"), window=512, max_tokens=4096)
 rows.append(dict(variant="dense", ppl=dense["ppl"]))
 print("dense", dense["ppl"], flush=True)
 for var in variants:
@@ -73,7 +73,7 @@ for var in variants:
     books = fit_kv_codebooks(k, v, M=32, nbits=8, granularity="layer_head", key=jax.random.PRNGKey(0),
                              max_vectors=max_vectors, iters=iters, key_transform=kt, key_weights=kw, value_weights=vw)
     fit_s = time.perf_counter() - t0
-    r = evaluate(model, eval_ids, CacheChoice(kind="pq", codebooks=books), window=512, max_tokens=4096)
+    r = evaluate(model, eval_ids, CacheSpec("pq", codebooks=books, quantize_all=True), window=512, max_tokens=4096)
     rows.append(dict(variant=var, ppl=r["ppl"], rel=r["ppl"] / dense["ppl"] - 1, fit_s=fit_s))
     print(var, r["ppl"], f"{100 * (r['ppl'] / dense['ppl'] - 1):+.2f}%", round(fit_s), flush=True)
     json.dump(dict(max_vectors=max_vectors, iters=iters, rows=rows), open(out_path, "w"), indent=1)

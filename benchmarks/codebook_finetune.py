@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from _recipe_args import add_recipe_args
-from million_app.caches import CacheChoice
+from million_jax import CacheSpec
 from million_app.calibrate import calibration_kvq_samples
 from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
@@ -62,9 +62,9 @@ def main() -> None:
     eval_ids = tokenize(model, load_text(a.text, "--text"))
     calib_ids = tokenize(model, load_text(a.calib, "--calib"))
     ev = dict(window=a.window, max_tokens=a.max_tokens, batch=a.batch)
-    common = dict(protocol=a.protocol, recent=64, sinks=4 if a.protocol == "realistic" else 0, dtype="bfloat16")
+    common = dict(quantize_all=a.protocol == "all", window=64, sinks=4)  # (quantize_all: no window, no sinks)
     if "dense" not in done:
-        r = evaluate(model, eval_ids, CacheChoice(kind="dense", **common), **ev)
+        r = evaluate(model, eval_ids, CacheSpec("dense"), **ev)
         res["rows"].append({"recipe": "dense", "ppl": r["ppl"], "eval_seconds": r["seconds"]})
         save()
     t0 = time.perf_counter()
@@ -78,7 +78,7 @@ def main() -> None:
     res["heldout_tokens"] = hused
 
     def add_row(name: str, books, extra: dict) -> None:
-        r = evaluate(model, eval_ids, CacheChoice(kind="pq", codebooks=books, **common), **ev)
+        r = evaluate(model, eval_ids, CacheSpec("pq", codebooks=books, **common), **ev)
         row = {"recipe": name, "ppl": r["ppl"], "bits_per_elem": r["bits_per_elem"], "eval_seconds": r["seconds"],
                "calib_error": layer_errors(books, q, k, v, q_pos, window=a.window).sum(1).tolist(),
                "heldout_error": layer_errors(books, hq, hk, hv, hq_pos, window=a.window).sum(1).tolist(),

@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-from million_app.caches import CacheChoice
+from million_app import caches as app_caches
+from million_jax import CacheSpec
 from million_app.calibrate import load_model_codebooks
 from million_app.loading import model_name, open_model
 from million_app.passkey import passkey_prompt, run_trials
@@ -46,15 +47,15 @@ def main() -> None:
     lengths = [int(x) for x in a.lengths.split(",")]
     books = {b: load_model_codebooks(path, model)[0] for b, path in ((4, a.pq4), (2, a.pq2))}
     paths = {4: a.pq4, 2: a.pq2}
-    real = dict(protocol="realistic", sinks=a.sinks, recent=a.recent)
-    caches: dict[str, CacheChoice] = {"dense": CacheChoice(kind="dense")}
+    real = dict(sinks=a.sinks, window=a.recent)
+    caches: dict[str, CacheSpec] = {"dense": CacheSpec("dense")}
+    sources = {}
     for bits in (4, 2):
-        caches[f"pq{bits}_all"] = CacheChoice(kind="pq", protocol="all", codebooks=books[bits],
-                                              codebooks_path=paths[bits])
-        caches[f"pq{bits}_realistic"] = CacheChoice(kind="pq", codebooks=books[bits],
-                                                    codebooks_path=paths[bits], **real)
-        caches[f"kivi{bits}_all"] = CacheChoice(kind="uniform", bits=bits, protocol="all")
-        caches[f"kivi{bits}_realistic"] = CacheChoice(kind="uniform", bits=bits, **real)
+        caches[f"pq{bits}_all"] = CacheSpec("pq", quantize_all=True, codebooks=books[bits])
+        caches[f"pq{bits}_realistic"] = CacheSpec("pq", codebooks=books[bits], **real)
+        sources[f"pq{bits}_all"] = sources[f"pq{bits}_realistic"] = {"codebooks": paths[bits]}
+        caches[f"kivi{bits}_all"] = CacheSpec("uniform", bits=bits, quantize_all=True)
+        caches[f"kivi{bits}_realistic"] = CacheSpec("uniform", bits=bits, **real)
     if a.only:
         caches = {k: v for k, v in caches.items() if k in a.only.split(",")}
 
@@ -80,9 +81,9 @@ def main() -> None:
                       f"{r['answer']!r} ({r['seconds']} s)", flush=True)
                 write_json(os.path.join(a.out, f"{name}.json"), {
                     "lengths": lengths, "model": model_name(model), "trials": a.trials,
-                    "seed": a.seed, "first_trial": a.first_trial, "cache": name, "settings": spec.settings(),
-                    "bits_per_elem": spec.bits_per_elem(d),
-                    "storage_bits_per_elem": spec.storage_bits_per_elem(d),
+                    "seed": a.seed, "first_trial": a.first_trial, "cache": name, "settings": {**app_caches.settings(spec), **sources.get(name, {})},
+                    "bits_per_elem": app_caches.bits_per_elem(spec, d),
+                    "storage_bits_per_elem": app_caches.storage_bits_per_elem(spec, d),
                     "results": [{"length": n, "done": len(rows[name][n]),
                                  "accuracy": (sum(x["correct"] for x in rows[name][n]) / len(rows[name][n])
                                               if rows[name][n] else None),

@@ -15,7 +15,7 @@ import os
 import time
 
 from _recipe_args import add_recipe_args
-from million_app.caches import CacheChoice
+from million_jax import CacheSpec
 from million_app.calibrate import calibration_kvq, codebook_metadata, parse_windows, save_model_codebooks
 from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
@@ -56,9 +56,9 @@ def main() -> None:
 
     ev = dict(window=a.window, max_tokens=a.max_tokens, batch=a.batch)
     protocols = a.protocol.split(",")
-    settings = {p: dict(protocol=p, recent=64, sinks=4 if p == "realistic" else 0, dtype="bfloat16") for p in protocols}
+    settings = {p: dict(quantize_all=p == "all", window=64, sinks=4) for p in protocols}  # all: no window / sinks
     if not a.no_dense:
-        r = evaluate(model, eval_ids, CacheChoice(kind="dense", **settings[protocols[0]]), **ev)
+        r = evaluate(model, eval_ids, CacheSpec("dense"), **ev)
         res["rows"].append({"recipe": "dense", **{k: r[k] for k in ("ppl", "bits_per_elem", "storage_bits_per_elem")},
                             "eval_seconds": r["seconds"]})
         save()
@@ -84,7 +84,7 @@ def main() -> None:
                 calib_windows=calib_windows, seed=a.seed, iters=a.iters, max_vectors=a.max_vectors, recipe=name),
                 flag="--save-books")
         for protocol in protocols:
-            r = evaluate(model, eval_ids, CacheChoice(kind="pq", codebooks=books, **settings[protocol]), **ev)
+            r = evaluate(model, eval_ids, CacheSpec("pq", codebooks=books, **settings[protocol]), **ev)
             res["rows"].append({"recipe": name if len(protocols) == 1 else f"{name} [{protocol}]",
                                 **{k: r[k] for k in ("ppl", "bits_per_elem", "storage_bits_per_elem", "cache_bytes")},
                                 "fit_seconds": fit_s, "eval_seconds": r["seconds"], "label": r["cache_label"]})

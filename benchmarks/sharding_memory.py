@@ -54,13 +54,13 @@ import numpy as np  # noqa: E402
 from million_jax import sharding as S  # noqa: E402
 from million_jax.cache.dense import DenseCache  # noqa: E402
 from million_jax.cache.pq_cache import PQCache, PQCodebooks  # noqa: E402
+from million_jax.cache.spec import CACHE_KINDS as KINDS  # noqa: E402
 from million_jax.cache.uniform_cache import UniformCache  # noqa: E402
 from million_jax.quant.pq import Codebooks  # noqa: E402
 from models import LlamaConfig, decode_step, init_params, preset  # noqa: E402
 
 GIB = 1024 ** 3
 TILE = 512
-KINDS = ("dense", "pq", "uniform")
 KIND_LABEL = {"dense": "dense bf16", "pq": "PQ M=64 8-bit", "uniform": "KIVI int4 g32"}
 
 

@@ -21,6 +21,7 @@ import threading
 from typing import Sequence
 
 from million_app.errors import UsageError
+from million_jax.cache.spec import CACHE_KINDS
 
 DESCRIPTION = """MILLION-style product-quantized KV caches for LLaMA models in JAX.
 
@@ -53,7 +54,7 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 def _cache_args(p: argparse.ArgumentParser, default_protocol: str) -> None:
     g = p.add_argument_group("cache")
-    g.add_argument("--cache", choices=("dense", "pq", "uniform"), default="dense",
+    g.add_argument("--cache", choices=CACHE_KINDS, default="dense",
                    help="KV cache kind (default: dense)")
     g.add_argument("--codebooks", help="codebook file from `million-jax calibrate` (--cache pq)")
     g.add_argument("--bits", type=int, help="uniform cache: 2, 4 or 8 bits")

@@ -8,6 +8,7 @@ from million_app.calibrate import (calibration_kvq, calibration_kvq_samples, cod
                                    default_calibration_windows, fit_model_codebooks, parse_windows,
                                    kmeans_problem_summary, model_fingerprint,
                                    save_model_codebooks)
+from million_app import caches
 from million_app.corpus import text_hash
 from million_app.errors import UsageError
 from million_app.flags import (cache_spec, check_codebook_settings, check_positions,
@@ -95,16 +96,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     text = load_text(args.text, "--text", args)
     model = open_model(args.model)
     check_positions(model, args.window, f"--window {args.window}")
-    spec = cache_spec(args, model)
-    if note := spec.beyond_calibration(args.window):
+    spec, source = cache_spec(args, model)
+    if note := caches.beyond_calibration(spec, args.window, source.get("calib_window"), source.get("codebooks")):
         progress.warn(note)
     ids = tokenize(model, text, bos=args.bos)
-    progress.status(f"eval text {args.text}: {len(ids)} tokens; {spec.label()}")
+    progress.status(f"eval text {args.text}: {len(ids)} tokens; {caches.label(spec)}")
     r = evaluate(model, ids, spec, window=args.window, max_tokens=args.max_tokens, batch=args.batch)
+    r.update(source)
     r.update(model=model_name(model), model_fingerprint=model_fingerprint(model), text=args.text,
              text_hash=text_hash(text), text_tokens=len(ids), bos=bool(args.bos),
              environment=environment())
-    print(f"{spec.label()}: ppl {r['ppl']:.4f} (nll {r['nll']:.4f}) over {r['tokens']} target "
+    print(f"{caches.label(spec)}: ppl {r['ppl']:.4f} (nll {r['nll']:.4f}) over {r['tokens']} target "
           f"tokens in {r['windows']} windows of {r['window']}")
     print("  " + memory_line(r))
     if args.json:

@@ -14,7 +14,8 @@ import io
 import time
 
 from million_app import progress
-from million_app.caches import CacheChoice
+from million_app import caches
+from million_jax.cache.spec import CacheSpec
 from million_app.calibrate import calibration_kv, fit_model_codebooks, kmeans_problem_summary
 from million_app.corpus import read_text
 from million_app.errors import UsageError
@@ -69,17 +70,17 @@ def run_demo_command(args: argparse.Namespace) -> int:
     fit_s = time.perf_counter() - t0
     del k, v
 
-    dense = CacheChoice(kind="dense")
-    pq = CacheChoice(kind="pq", codebooks=books, protocol="all")
+    dense = CacheSpec("dense")
+    pq = CacheSpec("pq", codebooks=books, quantize_all=True)
     ev = dict(window=args.window, max_tokens=args.eval_tokens)
     rd = evaluate(model, eval_ids, dense, desc="perplexity, dense cache", **ev)
     rp = evaluate(model, eval_ids, pq, desc="perplexity, PQ cache", **ev)
-    mem = pq.memory(cfg, 1, LONG_CONTEXT)
+    mem = caches.memory(pq, cfg, 1, LONG_CONTEXT)
     print()
     print(f"perplexity over {rd['tokens']} tokens ({rd['windows']} windows of {args.window}; "
           "lower is better):")
     print(f"  dense cache ({rd['cache_dtype']}):  {rd['ppl']:.3f}")
-    print(f"  PQ cache ({pq.label()}):  {rp['ppl']:.3f}  "
+    print(f"  PQ cache ({caches.label(pq)}):  {rp['ppl']:.3f}  "
           f"({100 * (rp['ppl'] / rd['ppl'] - 1):+.1f}%)")
     print(f"KV-cache memory of one {args.window}-token window (the evaluated length): "
           + _saving(rp["dense_cache_dtype"], rp["dense_cache_bytes"], rp["cache_bytes"]))
@@ -91,7 +92,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     has_chat = model.tokenizer.token_to_id("<|im_start|>") is not None
     prompt = chat_prompt(model, PROMPT) if has_chat else PROMPT
     ids = tokenize(model, prompt)
-    realistic = CacheChoice(kind="pq", codebooks=books, protocol="realistic", recent=32)
+    realistic = CacheSpec("pq", codebooks=books, window=32)
     for name, spec in (("dense", dense), ("pq", realistic)):
         buf = io.StringIO()
         r = stream_generate(model, ids, spec, max_new_tokens=args.new_tokens, out=buf,

@@ -6,14 +6,17 @@ these; this module imports none of them, so the application layer's imports stay
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+from typing import Any
 
 import jax
 
-from million_app.caches import CacheChoice
+from million_app.caches import DTYPES
 from million_app.calibrate import load_model_codebooks
 from million_app.corpus import read_text
 from million_app.errors import UsageError
+from million_jax.cache.spec import CacheSpec
 from models import LoadedModel
 
 
@@ -74,8 +77,14 @@ def check_positive(**values: int | None) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
 
 
-def cache_spec(args: argparse.Namespace, model: LoadedModel) -> CacheChoice:
-    """The CacheChoice of the cache flags, refusing contradictory combinations."""
+def cache_spec(args: argparse.Namespace, model: LoadedModel) -> tuple[CacheSpec, dict[str, Any]]:
+    """The library CacheSpec of the cache flags, and where its codebooks came from.
+
+    Returns (spec, source): source is ``{"codebooks": path, "calib_window": n or None}`` when
+    --codebooks is given (what the commands report and warn about), else ``{}``. Flags that do
+    not apply to the chosen --cache are refused here; the settings themselves are checked by
+    CacheSpec, whose ValueError becomes one UsageError line naming the flags.
+    """
     protocol = args.protocol or args.default_protocol
     quantized = args.cache != "dense"
     if not quantized:
@@ -92,18 +101,32 @@ def cache_spec(args: argparse.Namespace, model: LoadedModel) -> CacheChoice:
     if args.uniform_mode == "token" and args.group_size is not None:
         raise UsageError("--group-size applies to --uniform-mode kivi (token mode has one "
                          "scale per token)")
-    books, path, calib_window = None, None, None
-    if args.codebooks is not None:
-        if args.cache != "pq":
-            raise UsageError(f"--codebooks is only used with --cache pq, not --cache {args.cache}")
-        books, meta = load_model_codebooks(args.codebooks, model)
-        path = args.codebooks
-        w = meta.get("calib_window")
-        calib_window = w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
-    return CacheChoice(kind=args.cache, protocol=protocol if quantized else "all",
-                     recent=64 if args.recent is None else args.recent,
-                     sinks=0 if args.sinks is None else args.sinks,
-                     dtype=args.cache_dtype, bits=args.bits,
-                     group_size=32 if args.group_size is None else args.group_size,
-                     uniform_mode=args.uniform_mode or "kivi", codebooks=books, codebooks_path=path,
-                       calib_window=calib_window)
+    if args.cache == "pq" and args.codebooks is None:
+        raise UsageError("--cache pq needs --codebooks FILE (make one with `million-jax calibrate`)")
+    flags = " ".join(f"{flag} {val}" for flag, val in (
+        ("--cache", args.cache), ("--bits", args.bits), ("--group-size", args.group_size),
+        ("--uniform-mode", args.uniform_mode), ("--protocol", args.protocol), ("--recent", args.recent),
+        ("--sinks", args.sinks), ("--codebooks", args.codebooks)) if val is not None)
+    kw: dict[str, Any] = dict(
+        kind=args.cache, dtype=DTYPES[args.cache_dtype], bits=args.bits,
+        quantize_all=quantized and protocol == "all",
+        window=64 if args.recent is None and quantized else (args.recent or 0),
+        sinks=args.sinks or 0)
+    if args.group_size is not None:
+        kw["group_size"] = args.group_size
+    if args.uniform_mode is not None:
+        kw["uniform_mode"] = args.uniform_mode
+    try:
+        spec = CacheSpec(**kw)
+    except ValueError as e:
+        raise UsageError(f"{flags}: {e}") from None
+    if args.codebooks is None:
+        return spec, {}
+    books, meta = load_model_codebooks(args.codebooks, model)
+    try:
+        spec = dataclasses.replace(spec, codebooks=books)
+    except ValueError as e:
+        raise UsageError(f"{flags}: {e}") from None
+    w = meta.get("calib_window")
+    calib_window = w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
+    return spec, {"codebooks": args.codebooks, "calib_window": calib_window}

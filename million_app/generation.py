@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from million_app import progress
-from million_app.caches import CacheChoice
+from million_app import caches
 from million_app.errors import UsageError
 from million_app.flags import available_memory, cache_spec, check_positions
 from million_app.loading import model_name, open_model, tokenize
 from million_app.report import check_writable, human_bytes, write_json
+from million_jax.cache.spec import CacheSpec
 from models import LoadedModel, check_room, decode_step, prefill, sample_logits
 
 CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -39,7 +40,7 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
                          " (need temperature >= 0, top_k >= 0, 0 < top_p <= 1)")
 
 
-def check_fits(model: LoadedModel, spec: CacheChoice, prompt_tokens: int, max_new_tokens: int) -> int:
+def check_fits(model: LoadedModel, spec: CacheSpec, prompt_tokens: int, max_new_tokens: int) -> int:
     """The cache length prompt + new tokens; UsageError (one line) if it exceeds the model's
     max_position_embeddings or the cache would not fit in the free memory."""
     if max_new_tokens < 1:
@@ -47,16 +48,16 @@ def check_fits(model: LoadedModel, spec: CacheChoice, prompt_tokens: int, max_ne
     max_len = prompt_tokens + max_new_tokens
     check_positions(model, max_len, f"the prompt ({prompt_tokens} tokens) + --max-new-tokens "
                                     f"{max_new_tokens}")
-    need = spec.memory(model.config, 1, max_len)["cache_bytes"]
+    need = caches.memory(spec, model.config, 1, max_len)["cache_bytes"]
     free = available_memory()
     if free is not None and need > free:
-        raise UsageError(f"a {spec.label()} cache for {max_len} positions needs "
+        raise UsageError(f"a {caches.label(spec)} cache for {max_len} positions needs "
                          f"{human_bytes(need)}, more than the {human_bytes(free)} free here; "
                          "lower --max-new-tokens")
     return max_len
 
 
-def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheChoice, *,
+def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheSpec, *,
                     max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, seed: int = 0, out: TextIO | None = None,
                     bar_desc: str | None = None) -> dict[str, Any]:
@@ -64,7 +65,7 @@ def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheCh
 
     Returns a dict: text, tokens, prompt_tokens, new_tokens, stop ("eos" / "max_tokens"),
     prefill_s, decode_tokens_per_s, cache_bytes (of the filled cache) and the memory
-    accounting of ``CacheChoice.memory`` for this sequence length. ``bar_desc``: show a
+    accounting of ``caches.memory`` for this sequence length. ``bar_desc``: show a
     progress bar (tokens, ETA) under that name, for output that is not streamed to a terminal.
     """
     if not prompt_ids:
@@ -72,7 +73,7 @@ def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheCh
     check_sampling(temperature, top_k, top_p)
     cfg, params = model.config, model.params
     max_len = check_fits(model, spec, len(prompt_ids), max_new_tokens)
-    cache, consts = spec.build(cfg, 1, max_len)
+    cache, consts = caches.build(spec, cfg, 1, max_len)
     check_room(cache, len(prompt_ids) + max_new_tokens - 1)  # the whole run: prompt + every decode step
     key = jax.random.PRNGKey(seed)
     eos = set(cfg.eos_ids)
@@ -124,12 +125,12 @@ def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheCh
         "decode_tokens_per_s": len(timed) / sum(timed) if timed else None,
         "cache_bytes_filled": int(cache.nbytes()),
     }
-    r.update(spec.memory(cfg, 1, max_len))
-    r.update(spec.settings())
+    r.update(caches.memory(spec, cfg, 1, max_len))
+    r.update(caches.settings(spec))
     return r
 
 
-def size_note(spec: CacheChoice, model: LoadedModel, r: dict[str, Any]) -> str | None:
+def size_note(spec: CacheSpec, model: LoadedModel, r: dict[str, Any]) -> str | None:
     """Why a quantized cache can be larger than dense for a short sequence, or None.
 
     A realistic-protocol cache keeps the last ``recent`` (and first ``sinks``) tokens in
@@ -140,12 +141,12 @@ def size_note(spec: CacheChoice, model: LoadedModel, r: dict[str, Any]) -> str |
         return None
     cfg, n1 = model.config, r["cache_shape"]["max_len"]
     n2 = 2 * n1 + 256
-    m2 = spec.memory(cfg, 1, n2)
+    m2 = caches.memory(spec, cfg, 1, n2)
     saved_per_token = ((m2["dense_cache_bytes"] - r["dense_cache_bytes"])
                        - (m2["cache_bytes"] - r["cache_bytes"])) / (n2 - n1)
-    exact = f"the last {spec.recent} tokens" + (f" and first {spec.sinks}" if spec.sinks else "")
+    exact = f"the last {spec.window} tokens" + (f" and first {spec.sinks}" if spec.sinks else "")
     msg = (f"  (the {spec.kind} cache is larger than dense here: besides the codes of all {n1} "
-           f"positions it holds {exact} exact in {spec.dtype} (the exact window, "
+           f"positions it holds {exact} exact in {caches.dtype_name(spec)} (the exact window, "
            "--recent/--sinks)")
     if saved_per_token > 0:
         even = n1 + (r["cache_bytes"] - r["dense_cache_bytes"]) / saved_per_token
@@ -158,16 +159,17 @@ def run_generate_command(args: argparse.Namespace) -> int:
     if args.json:
         check_writable(args.json, "--json")
     model = open_model(args.model)
-    spec = cache_spec(args, model)
+    spec, source = cache_spec(args, model)
     prompt = chat_prompt(model, args.prompt) if args.chat else args.prompt
     ids = tokenize(model, prompt)
     if not ids:
         raise UsageError("the prompt is empty")
     check_sampling(args.temperature, args.top_k, args.top_p)
     check_fits(model, spec, len(ids), args.max_new_tokens)
-    if note := spec.beyond_calibration(len(ids) + args.max_new_tokens):
+    if note := caches.beyond_calibration(spec, len(ids) + args.max_new_tokens, source.get("calib_window"),
+                                         source.get("codebooks")):
         progress.warn(note)
-    progress.status(f"{model_name(model)}, {spec.label()}, prompt {len(ids)} tokens")
+    progress.status(f"{model_name(model)}, {caches.label(spec)}, prompt {len(ids)} tokens")
     if not args.chat:
         sys.stdout.write(args.prompt)
     r = stream_generate(model, ids, spec, max_new_tokens=args.max_new_tokens,
@@ -177,12 +179,13 @@ def run_generate_command(args: argparse.Namespace) -> int:
     speed = f"{tps:.1f} tokens/s" if tps else "n/a (too few tokens to time)"
     print(f"[{r['new_tokens']} tokens, stop: {r['stop']}; prefill {r['prompt_tokens']} tokens in "
           f"{r['prefill_s']:.2f} s; decode {speed} (first step, which compiles, excluded); "
-          f"{spec.label()} cache {human_bytes(r['cache_bytes'])} for {r['cache_shape']['max_len']} "
+          f"{caches.label(spec)} cache {human_bytes(r['cache_bytes'])} for {r['cache_shape']['max_len']} "
           f"positions vs dense {r['dense_cache_dtype']} {human_bytes(r['dense_cache_bytes'])}]")
     note = size_note(spec, model, r)
     if note:
         print(note)
     if args.json:
+        r.update(source)
         r["model"] = model_name(model)
         r["prompt"] = args.prompt
         write_json(args.json, r)

@@ -17,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from million_app import progress
-from million_app.caches import CacheChoice
+from million_app import caches
 from million_app.errors import UsageError
 from million_app.flags import cache_spec, check_positive
 from million_app.loading import model_name, open_model, tokenize
 from million_app.report import check_writable, write_json
+from million_jax.cache.spec import CacheSpec
 from models import LoadedModel, generate
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -52,7 +53,7 @@ def first_number(text: str) -> int | None:
 
 
 def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[int],
-               spec: CacheChoice, batch: int) -> list[dict[str, Any]]:
+               spec: CacheSpec, batch: int) -> list[dict[str, Any]]:
     """Greedy answers to every prompt through ``spec``, ``batch`` prompts per generate call."""
     cfg = model.config
     out = []
@@ -64,7 +65,7 @@ def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[
         toks = np.zeros((batch, width), np.int32)
         for j, p in enumerate(group):
             toks[j, : len(p)] = p
-        cache, consts = spec.build(cfg, batch, width + ANSWER_TOKENS)
+        cache, consts = caches.build(spec, cfg, batch, width + ANSWER_TOKENS)
         res = generate(cfg, model.params, cache, jnp.asarray(toks),
                        jnp.asarray([len(p) for p in group], jnp.int32),
                        max_new_tokens=ANSWER_TOKENS, cache_consts=consts)
@@ -76,21 +77,21 @@ def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[
     return out
 
 
-def passkey_eval(model: LoadedModel, specs: Sequence[CacheChoice], lengths: Sequence[int], *,
+def passkey_eval(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[int], *,
                  trials: int = 5, seed: int = 0, batch: int = 5) -> dict[str, Any]:
     """Accuracy per length for each cache spec: {"lengths": [...], "results": {label: [...]}}."""
     rng = np.random.default_rng(seed)
-    results: dict[str, list[dict[str, Any]]] = {s.label(): [] for s in specs}
+    results: dict[str, list[dict[str, Any]]] = {caches.label(s): [] for s in specs}
     for length in lengths:
         keys = [int(k) for k in rng.integers(10000, 100000, size=trials)]
         depths = [(i + 0.5) / trials for i in range(trials)]
         prompts = [passkey_prompt(model, length, k, d) for k, d in zip(keys, depths)]
         for spec in specs:
-            progress.status(f"passkey length {length}: {spec.label()} ({trials} prompts)")
+            progress.status(f"passkey length {length}: {caches.label(spec)} ({trials} prompts)")
             rows = run_trials(model, prompts, keys, spec, min(batch, trials))
             for r, d in zip(rows, depths):
                 r["depth"] = d
-            results[spec.label()].append({
+            results[caches.label(spec)].append({
                 "length": length, "accuracy": sum(r["correct"] for r in rows) / len(rows),
                 "trials": rows})
     return {"lengths": list(lengths), "results": results}
@@ -117,15 +118,15 @@ def run_passkey_command(args: argparse.Namespace) -> int:
     if args.json:
         check_writable(args.json, "--json")
     model = open_model(args.model)
-    spec = cache_spec(args, model)
+    spec, source = cache_spec(args, model)
     lengths = parse_lengths(args.lengths, model.config.max_position_embeddings)
-    if note := spec.beyond_calibration(max(lengths)):
+    if note := caches.beyond_calibration(spec, max(lengths), source.get("calib_window"), source.get("codebooks")):
         progress.warn(note)
-    specs = [CacheChoice(kind="dense", dtype=args.cache_dtype)]
+    specs = [CacheSpec("dense", dtype=spec.dtype)]
     if spec.kind != "dense":
         specs.append(spec)
     r = passkey_eval(model, specs, lengths, trials=args.trials, seed=args.seed, batch=args.batch)
-    labels = [s.label() for s in specs]
+    labels = [caches.label(s) for s in specs]
     print("| length | " + " | ".join(labels) + " |")
     print("|---|" + "---|" * len(labels))
     for i, n in enumerate(lengths):
@@ -133,6 +134,7 @@ def run_passkey_command(args: argparse.Namespace) -> int:
         print(f"| {n} | " + " | ".join(accs) + " |")
     if args.json:
         r.update(model=model_name(model), trials=args.trials, seed=args.seed,
-                 caches={s.label(): s.settings() for s in specs})
+                 caches={caches.label(s): {**caches.settings(s), **(source if s is spec else {})}
+                         for s in specs})
         write_json(args.json, r)
     return 0

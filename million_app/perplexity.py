@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from million_app.caches import CacheChoice
+from million_app import caches
+from million_jax.cache.spec import CacheSpec
 from million_app.calibrate import windows
 from million_app.errors import UsageError
 from million_app.progress import bar
@@ -53,12 +54,12 @@ def eval_windows(ids: Sequence[int], window: int, max_tokens: int | None) -> np.
         raise UsageError(str(e)) from None
 
 
-def evaluate(model: LoadedModel, ids: Sequence[int], spec: CacheChoice, *, window: int = 512,
+def evaluate(model: LoadedModel, ids: Sequence[int], spec: CacheSpec, *, window: int = 512,
              max_tokens: int | None = None, batch: int = 4, desc: str | None = None) -> dict:
     """Perplexity of ``model`` over ``ids`` through the cache ``spec`` (module docstring).
 
     Returns a JSON-ready dict: ppl, nll, tokens (targets), windows, window, max_tokens,
-    seconds, tokens_per_s, the memory accounting of ``CacheChoice.memory`` for one window
+    seconds, tokens_per_s, the memory accounting of ``caches.memory`` for one window
     (batch 1) and the cache settings.
     """
     if batch < 1:
@@ -68,7 +69,7 @@ def evaluate(model: LoadedModel, ids: Sequence[int], spec: CacheChoice, *, windo
     batch = min(batch, n)
     cfg, params = model.config, model.params
     total, count = 0.0, 0
-    pbar = bar(n, desc or spec.label(), unit="window")
+    pbar = bar(n, desc or caches.label(spec), unit="window")
     t0 = time.perf_counter()
     try:
         for i in range(0, n, batch):
@@ -76,11 +77,11 @@ def evaluate(model: LoadedModel, ids: Sequence[int], spec: CacheChoice, *, windo
             real = len(chunk)
             if real < batch:  # pad to the compiled batch size; padded rows are dropped
                 chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - real, axis=0)])
-            cache, consts = spec.build(cfg, batch, window)
+            cache, consts = caches.build(spec, cfg, batch, window)
             nll = np.asarray(window_nll(cfg, params, cache, jnp.asarray(chunk), consts),
                              np.float64)[:real]
             if not np.isfinite(nll).all():
-                raise FloatingPointError(f"{spec.label()}: non-finite log-likelihood in window {i}")
+                raise FloatingPointError(f"{caches.label(spec)}: non-finite log-likelihood in window {i}")
             total += float(nll.sum())
             count += nll.size
             pbar.update(real)
@@ -99,6 +100,6 @@ def evaluate(model: LoadedModel, ids: Sequence[int], spec: CacheChoice, *, windo
         "seconds": seconds,
         "tokens_per_s": n * window / seconds,
     }
-    out.update(spec.memory(cfg, 1, window))
-    out.update(spec.settings())
+    out.update(caches.memory(spec, cfg, 1, window))
+    out.update(caches.settings(spec))
     return out

@@ -24,7 +24,8 @@ import time
 from typing import Any
 
 from million_app import progress
-from million_app.caches import CacheChoice
+from million_app.caches import DTYPES
+from million_jax.cache.spec import CacheSpec
 from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks,
                                    kmeans_problem_summary, model_fingerprint,
                                    save_model_codebooks)
@@ -64,8 +65,8 @@ class SweepSettings:
     bos: bool = False
 
 
-def _spec(s: SweepSettings, **kw: Any) -> CacheChoice:
-    return CacheChoice(protocol=s.protocol, recent=s.recent, sinks=s.sinks, dtype=s.cache_dtype, **kw)
+def _spec(s: SweepSettings, **kw: Any) -> CacheSpec:
+    return CacheSpec(quantize_all=s.protocol == "all", window=s.recent, sinks=s.sinks, dtype=DTYPES[s.cache_dtype], **kw)
 
 
 def pq_grid(head_dim: int) -> list[tuple[int, int, str]]:
@@ -236,9 +237,9 @@ def run_sweep(model: Any, calib_text: str, eval_text: str, s: SweepSettings, out
                                      calib_text_hash=text_hash(calib_text), seed=s.seed,
                                      iters=s.iters, max_vectors=s.max_vectors)
             save_model_codebooks(path, books, meta)
-        spec = _spec(s, kind="pq", codebooks=books, codebooks_path=path)
-        record(f"pq-M{M}-b{nbits}-{gran}", evaluate(model, eval_ids, spec, **ev),
-               {"M": M, "nbits": nbits, "granularity": gran, "fit_seconds": fit_s})
+        r = evaluate(model, eval_ids, _spec(s, kind="pq", codebooks=books), **ev)
+        r["codebooks"] = path
+        record(f"pq-M{M}-b{nbits}-{gran}", r, {"M": M, "nbits": nbits, "granularity": gran, "fit_seconds": fit_s})
     plot(results["rows"], os.path.join(out_dir, "ppl_vs_bits.png"), plot_title(results))
     return results
 

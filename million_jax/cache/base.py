@@ -65,7 +65,7 @@ PyTree = Any
 Writes = dict[str, Union[tuple[jax.Array, jax.Array], jax.Array]]
 
 __all__ = ["CACHE_DIMS", "CacheOverflowError", "LayerState", "KVCache", "Writes", "check_cache_args",
-           "kept_tokens", "register_cache", "token_rows", "write_rows"]
+           "check_exact_tokens", "kept_tokens", "register_cache", "token_rows", "write_rows"]
 
 
 class LayerState(abc.ABC):
@@ -201,10 +201,15 @@ def check_cache_args(sizes: dict[str, int], dtype: Any, window: int = 0, sinks: 
     for name, val in sizes.items():
         if int(val) < 1:
             raise ValueError(f"{name} must be >= 1, got {val}")
-    if window < 0 or sinks < 0:
-        raise ValueError(f"window and sinks must be >= 0, got window={window}, sinks={sinks}")
+    check_exact_tokens(window, sinks)
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"dtype must be a floating type, got {dtype}")
+
+
+def check_exact_tokens(window: int, sinks: int) -> None:
+    """ValueError unless the exact recent ``window`` and first ``sinks`` token counts are ints >= 0."""
+    if any(not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0 for n in (window, sinks)):
+        raise ValueError(f"window and sinks must be ints >= 0, got window={window!r}, sinks={sinks!r}")
 
 
 def register_cache(cls: type) -> type:

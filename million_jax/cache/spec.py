@@ -16,12 +16,14 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from million_jax.cache.base import KVCache
+from million_jax.cache.base import KVCache, check_exact_tokens
 from million_jax.cache.dense import DenseCache
 from million_jax.cache.pq_cache import PQCache
 from million_jax.cache.uniform_cache import UniformCache
 from million_jax.attention.pq_dispatch import check_impl
 from million_jax.quant.kv_codebooks import PQCodebooks
+from million_jax.quant.uniform import BITS as UNIFORM_BITS
+from million_jax.quant.uniform import check_mode
 
 __all__ = ["CACHE_KINDS", "CacheShape", "CacheSpec", "make_cache"]
 
@@ -38,15 +40,20 @@ class CacheShape(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """Which cache to build.
+    """Which cache to build: the one object that holds a cache's settings.
 
-    kind:          "dense" | "pq" | "uniform"
+    The command line parses its flags into one, the Flax layers take one, and
+    :func:`make_cache` builds from one; every setting is checked here, once.
+
+    kind:          "dense" | "pq" | "uniform" (:data:`CACHE_KINDS`)
     dtype:         dtype of the dense cache / of the exact sinks, window and uniform stats
     window, sinks: exact recent / first tokens of the quantized caches (0: none)
-    quantize_all:  MILLION's protocol: every key/value read from codes (window/sinks unused)
-    codebooks:     PQCodebooks (kind "pq")
+    quantize_all:  MILLION's protocol: every key/value read from codes; window and sinks are
+                   then set to 0 (nothing is kept exact)
+    codebooks:     PQCodebooks (kind "pq"; may be left None where the codebooks come later,
+                   e.g. a Flax layer's, but :func:`make_cache` needs them)
     impl:          "auto" | "xla" | "pallas": attention over PQ codes
-    bits, group_size, uniform_mode, tile: UniformCache settings (kind "uniform")
+    bits, group_size, uniform_mode, tile: UniformCache settings (kind "uniform"; bits required)
     """
 
     kind: str = "dense"
@@ -64,29 +71,42 @@ class CacheSpec:
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:
             raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {self.kind!r}")
-        if self.window < 0 or self.sinks < 0:
-            raise ValueError(f"window and sinks must be >= 0, got {self.window}, {self.sinks}")
+        check_exact_tokens(self.window, self.sinks)
         check_impl(self.impl)
-        if self.kind == "pq" and not isinstance(self.codebooks, PQCodebooks):
-            raise ValueError("a pq cache needs codebooks=PQCodebooks (see million_jax.fit_kv_codebooks)")
-        if self.kind != "pq" and self.codebooks is not None:
-            raise ValueError(f"codebooks are only used by a pq cache, not {self.kind!r}")
-        if self.kind == "uniform" and self.bits is None:
-            raise ValueError("a uniform cache needs bits (2, 4 or 8)")
+        if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
+            raise ValueError(f"dtype must be a floating type, got {self.dtype}")
+        if self.codebooks is not None:
+            if self.kind != "pq":
+                raise ValueError(f"codebooks are only used by a pq cache, not {self.kind!r}")
+            if not isinstance(self.codebooks, PQCodebooks):
+                raise ValueError(f"codebooks must be PQCodebooks (see million_jax.fit_kv_codebooks), "
+                                 f"got {type(self.codebooks).__name__}")
+        if self.kind == "uniform":
+            if self.bits is None:
+                raise ValueError(f"a uniform cache needs bits (one of {UNIFORM_BITS})")
+            check_mode(self.uniform_mode, self.bits, self.group_size)
+            if self.tile < 1:
+                raise ValueError(f"tile must be >= 1, got {self.tile}")
+        elif self.bits is not None:
+            raise ValueError(f"bits are a setting of a uniform cache, not of a {self.kind} cache")
+        if self.quantize_all:  # MILLION's protocol keeps nothing exact
+            object.__setattr__(self, "window", 0)
+            object.__setattr__(self, "sinks", 0)
 
 
 def make_cache(spec: CacheSpec, model: Any, batch: int, max_len: int) -> tuple[KVCache, PQCodebooks | None]:
     """(empty cache, cache_consts) of ``spec`` for ``model``'s shape; bad settings: ValueError."""
     L, hkv, d = int(model.n_layers), int(model.n_kv_heads), int(model.head_dim)
-    window, sinks = (0, 0) if spec.quantize_all else (spec.window, spec.sinks)
     if spec.kind == "dense":
         return DenseCache.create(L, batch, hkv, max_len, d, spec.dtype), None
     if spec.kind == "pq":
+        if spec.codebooks is None:
+            raise ValueError("a pq cache needs codebooks=PQCodebooks (see million_jax.fit_kv_codebooks)")
         books = spec.codebooks.check(L, hkv, d)
-        cache = PQCache.for_codebooks(books, batch, hkv, max_len, window=window, sinks=sinks, dtype=spec.dtype,
-                                      quantize_all=spec.quantize_all, impl=spec.impl)
+        cache = PQCache.for_codebooks(books, batch, hkv, max_len, window=spec.window, sinks=spec.sinks,
+                                      dtype=spec.dtype, quantize_all=spec.quantize_all, impl=spec.impl)
         return cache, books
     cache = UniformCache.create(L, batch, hkv, max_len, d, bits=spec.bits, group_size=spec.group_size,
-                                mode=spec.uniform_mode, window=window, sinks=sinks, dtype=spec.dtype,
+                                mode=spec.uniform_mode, window=spec.window, sinks=spec.sinks, dtype=spec.dtype,
                                 quantize_all=spec.quantize_all, tile=spec.tile)
     return cache, None

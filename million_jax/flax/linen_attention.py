@@ -2,8 +2,10 @@
 
 Same fields, call and parameter names as the stock layer (``query`` / ``key`` / ``value`` /
 ``out``, ``query_ln`` / ``key_ln``), so stock weights load as they are; extra fields
-``num_kv_heads`` (GQA; None: one KV head per query head, as stock), ``window``, ``sinks``,
-``quantize_all``, ``impl``. With ``decode=False`` it computes what the stock layer computes.
+``num_kv_heads`` (GQA; None: one KV head per query head, as stock) and ``cache_spec``
+(:class:`~million_jax.cache.spec.CacheSpec` of kind "pq": window, sinks, quantize_all, impl; its
+codebooks stay None, they come from the collection below, and the exact tokens are kept in the
+keys' dtype). With ``decode=False`` it computes what the stock layer computes.
 With ``decode=True``:
 
 * the codebooks are read from their own collection ``"pq_codebooks"`` (``{layer path: {"key":
@@ -33,8 +35,9 @@ from flax import linen as nn
 from flax import traverse_util
 
 from million_jax.calibration.fit import DEFAULT_MAX_VECTORS
-from million_jax.flax.pq_layer import (CACHE_FIELDS, PQSettings, attend_pq, check_layer_books, empty_pq_cache,
-                                       fit_layers, select_layer)
+from million_jax.cache.spec import CacheSpec
+from million_jax.flax.pq_layer import (CACHE_FIELDS, attend_pq, check_layer_books, empty_pq_cache, fit_layers,
+                                       layer_spec, select_layer)
 from million_jax.quant.kv_codebooks import PQCodebooks
 
 __all__ = ["CALIBRATION_COLLECTION", "CODEBOOK_COLLECTION", "PQMultiHeadDotProductAttention", "calibrate_linen",
@@ -48,10 +51,7 @@ class PQMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     """Drop-in for ``nn.MultiHeadDotProductAttention`` whose decode cache is PQ codes (module docstring)."""
 
     num_kv_heads: int | None = None
-    window: int = 0
-    sinks: int = 0
-    quantize_all: bool = False
-    impl: str = "auto"
+    cache_spec: CacheSpec = CacheSpec("pq")
 
     @nn.compact
     def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None, inputs_v: jax.Array | None = None,
@@ -68,7 +68,10 @@ class PQMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
                 raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None.")
             inputs_k = inputs_q
         inputs_v = inputs_k if inputs_v is None else inputs_v
-        settings = PQSettings(self.window, self.sinks, self.quantize_all, self.impl)
+        spec, books = layer_spec(self.cache_spec, "PQMultiHeadDotProductAttention")
+        if books is not None:
+            raise ValueError(f"PQMultiHeadDotProductAttention: give the codebooks in the {CODEBOOK_COLLECTION!r} "
+                             "collection (million_jax.flax.linen_codebooks), not in cache_spec")
         qkv = self.qkv_features or inputs_q.shape[-1]
         heads, kv_heads = self.num_heads, self.num_kv_heads or self.num_heads
         if qkv % heads or heads % kv_heads:
@@ -88,7 +91,7 @@ class PQMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         calibrating = self.is_mutable_collection(CALIBRATION_COLLECTION) and not self.is_initializing()
         if calibrating:
             self.sow(CALIBRATION_COLLECTION, "kv", (key, value))
-        x = _decode(self, settings, query, key, value, mask, kv_heads) if self.decode and not calibrating else None
+        x = _decode(self, spec, query, key, value, mask, kv_heads) if self.decode and not calibrating else None
         if x is None:
             x = _dense_attention(self, query, key, value, mask, deterministic, dropout_rng, sow_weights)
         return nn.DenseGeneral(
@@ -106,7 +109,7 @@ def _books(module: PQMultiHeadDotProductAttention, kv_heads: int, d: int) -> PQC
                              f"{'/'.join(module.path)}: PQMultiHeadDotProductAttention")
 
 
-def _decode(module, settings: PQSettings, query, key, value, mask, kv_heads) -> jax.Array | None:
+def _decode(module, spec: CacheSpec, query, key, value, mask, kv_heads) -> jax.Array | None:
     """The PQ decode step (x float[*batch, T, H, d]), or None when this call creates the cache
     (or, in ``init`` without codebooks, creates none) and attends densely instead."""
     books = _books(module, kv_heads, query.shape[-1])
@@ -115,7 +118,7 @@ def _decode(module, settings: PQSettings, query, key, value, mask, kv_heads) -> 
                          f"in the {CODEBOOK_COLLECTION!r} collection (million_jax.flax.linen_codebooks)")
     if not module.has_variable("cache", "lengths"):
         if books is not None:
-            arrays = empty_pq_cache(books, math.prod(query.shape[:-3]), query.shape[-3], kv_heads, settings,
+            arrays = empty_pq_cache(books, math.prod(query.shape[:-3]), query.shape[-3], kv_heads, spec,
                                     key.dtype)
             for name, arr in arrays.items():
                 module.variable("cache", name, lambda a=arr: a)
@@ -124,7 +127,7 @@ def _decode(module, settings: PQSettings, query, key, value, mask, kv_heads) -> 
         raise ValueError("PQMultiHeadDotProductAttention decode: mask is not supported (the PQ cache applies the "
                          "causal mask over the stored tokens itself)")
     names = CACHE_FIELDS + ("lengths",)
-    x, arrays = attend_pq(books, {n: module.get_variable("cache", n) for n in names}, settings, query, key, value)
+    x, arrays = attend_pq(books, {n: module.get_variable("cache", n) for n in names}, spec, query, key, value)
     for n in names:
         module.put_variable("cache", n, arrays[n])
     return x

@@ -1,8 +1,8 @@
 """``PQMultiHeadAttention``: ``flax.nnx.MultiHeadAttention`` with its decode cache stored as PQ codes.
 
 Same constructor and call as the stock layer (same parameters, so a stock model's weights load
-as they are), plus the PQ settings ``codebooks``, ``window``, ``sinks``, ``quantize_all`` and
-``impl``. Outside decode mode it *is* the stock layer. In decode mode (``decode=True`` after
+as they are), plus ``codebooks`` and the cache settings ``cache_spec``
+(:class:`~million_jax.cache.spec.CacheSpec` of kind "pq": window, sinks, quantize_all, impl). Outside decode mode it *is* the stock layer. In decode mode (``decode=True`` after
 ``init_cache``) the new tokens' keys / values are encoded into ``nnx.Cache`` variables and the
 attention is read from the codes by the library (:mod:`million_jax.flax.pq_layer`: the xla
 path, or the Pallas kernel on GPU for one-token steps), plus the optional exact sinks / window.
@@ -27,8 +27,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from million_jax.calibration.fit import DEFAULT_MAX_VECTORS
-from million_jax.flax.pq_layer import (CACHE_FIELDS, PQSettings, attend_pq, check_layer_books, empty_pq_cache,
-                                       fit_layers, select_layer)
+from million_jax.cache.spec import CacheSpec
+from million_jax.flax.pq_layer import (CACHE_FIELDS, attend_pq, check_layer_books, empty_pq_cache, fit_layers,
+                                       layer_spec, select_layer)
 from million_jax.quant.kv_codebooks import PQCodebooks
 
 __all__ = ["PQCodebook", "PQMultiHeadAttention", "attach_codebooks", "calibrate_nnx", "pq_layers"]
@@ -43,19 +44,25 @@ class PQMultiHeadAttention(nnx.MultiHeadAttention):
 
     Extra keyword arguments:
       codebooks: PQCodebooks of one layer (``num_layers == 1``), or None to attach them later
-        (:func:`attach_codebooks` / :meth:`set_codebooks`).
-      window, sinks: tokens read exactly (the last ``window`` positions, the first ``sinks``).
-      quantize_all: every key / value read from codes (window and sinks unused).
-      impl: "auto" | "xla" | "pallas" (:func:`million_jax.pq_code_attention`).
+        (:func:`attach_codebooks` / :meth:`set_codebooks`); may also come as ``cache_spec.codebooks``.
+      cache_spec: ``CacheSpec("pq", window=..., sinks=..., quantize_all=..., impl=...)``: the last
+        ``window`` and first ``sinks`` tokens read exactly, or every token from codes
+        (``quantize_all``); ``impl`` "auto" | "xla" | "pallas" (:func:`million_jax.pq_code_attention`).
+        Default ``CacheSpec("pq")``. Its dtype is not used: the exact tokens are kept in the dtype
+        given to :meth:`init_cache`.
     """
 
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
                  out_features: int | None = None, num_kv_heads: int | None = None,
-                 in_kv_features: int | None = None, *, codebooks: PQCodebooks | None = None, window: int = 0,
-                 sinks: int = 0, quantize_all: bool = False, impl: str = "auto", **kwargs: Any):
+                 in_kv_features: int | None = None, *, codebooks: PQCodebooks | None = None,
+                 cache_spec: CacheSpec | None = None, **kwargs: Any):
         super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads, in_kv_features,
                          **kwargs)
-        self.pq = PQSettings(window, sinks, quantize_all, impl)
+        self.cache_spec, spec_books = layer_spec(cache_spec, "PQMultiHeadAttention")
+        if spec_books is not None:
+            if codebooks is not None:
+                raise ValueError("PQMultiHeadAttention: codebooks given twice (codebooks= and cache_spec.codebooks)")
+            codebooks = spec_books
         self.kv_recorder: Callable | None = None  # set by calibrate_nnx
         self.key_codebook: PQCodebook | None = nnx.data(None)
         self.value_codebook: PQCodebook | None = nnx.data(None)
@@ -87,7 +94,7 @@ class PQMultiHeadAttention(nnx.MultiHeadAttention):
         b = 1
         for n in batch:
             b *= int(n)
-        arrays = empty_pq_cache(books, b, int(max_len), self.num_kv_heads, self.pq, dtype)
+        arrays = empty_pq_cache(books, b, int(max_len), self.num_kv_heads, self.cache_spec, dtype)
         for name, arr in arrays.items():
             setattr(self, name, nnx.Cache(arr))
 
@@ -112,7 +119,7 @@ class PQMultiHeadAttention(nnx.MultiHeadAttention):
             raise ValueError("Autoregressive cache not initialized, call ``init_cache`` first.")
         query, key, value = self._project(inputs_q, inputs_k, inputs_v, qkv_sharding)
         arrays = {name: getattr(self, name)[...] for name in CACHE_FIELDS + ("lengths",)}
-        x, arrays = attend_pq(self._books(), arrays, self.pq, query, key, value)
+        x, arrays = attend_pq(self._books(), arrays, self.cache_spec, query, key, value)
         for name, arr in arrays.items():
             getattr(self, name)[...] = arr
         return self.out(x, out_sharding=out_sharding)

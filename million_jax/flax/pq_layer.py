@@ -23,34 +23,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from million_jax.cache.pq_cache import PQCache, PQLayer
-from million_jax.attention.pq_dispatch import check_impl
+from million_jax.cache.spec import CacheSpec
 from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks
 from million_jax.quant.pq import Codebooks
 from million_jax.quant.kv_codebooks import PQCodebooks
 
-__all__ = ["CACHE_FIELDS", "PQSettings", "attend_pq", "check_layer_books", "empty_pq_cache", "fit_layers",
+__all__ = ["CACHE_FIELDS", "attend_pq", "check_layer_books", "empty_pq_cache", "fit_layers", "layer_spec",
            "select_layer"]
 
 CACHE_FIELDS = ("k_codes", "v_codes", "sink_k", "sink_v", "ring_k", "ring_v")
 
 
-@dataclasses.dataclass(frozen=True)
-class PQSettings:
-    """Static PQ settings of one adapter layer: exact ``window`` / ``sinks``, ``quantize_all``
-    (MILLION's protocol: every token read from codes), ``impl`` ("auto" | "xla" | "pallas")."""
+def layer_spec(spec: CacheSpec | None, where: str) -> tuple[CacheSpec, PQCodebooks | None]:
+    """(the spec a Flax PQ layer keeps, the codebooks it carried or None).
 
-    window: int = 0
-    sinks: int = 0
-    quantize_all: bool = False
-    impl: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.window < 0 or self.sinks < 0:
-            raise ValueError(f"window and sinks must be >= 0, got window={self.window}, sinks={self.sinks}")
-        check_impl(self.impl)
-        if self.quantize_all:  # MILLION's protocol keeps nothing exact
-            object.__setattr__(self, "window", 0)
-            object.__setattr__(self, "sinks", 0)
+    ``spec``: a CacheSpec of kind "pq" (None: ``CacheSpec("pq")``). Its window, sinks,
+    quantize_all and impl are used; its codebooks, if any, are returned apart (a layer holds them
+    as variables, not as a setting). ``where`` names the layer in the errors.
+    """
+    spec = CacheSpec("pq") if spec is None else spec
+    if not isinstance(spec, CacheSpec) or spec.kind != "pq":
+        raise ValueError(f"{where} takes cache_spec=CacheSpec('pq', ...), got {spec!r}")
+    return dataclasses.replace(spec, codebooks=None), spec.codebooks
 
 
 def select_layer(books: PQCodebooks, layer: int) -> tuple[jax.Array, jax.Array]:
@@ -88,18 +82,19 @@ def check_layer_books(key, value, num_kv_heads: int, head_dim: int, where: str =
     return books
 
 
-def empty_pq_cache(books: PQCodebooks, batch: int, max_len: int, num_kv_heads: int, settings: PQSettings,
+def empty_pq_cache(books: PQCodebooks, batch: int, max_len: int, num_kv_heads: int, spec: CacheSpec,
                    dtype) -> dict[str, jax.Array]:
-    """Zero cache arrays of one layer (module docstring) for ``batch`` sequences of ``max_len``."""
+    """Zero cache arrays of one layer (module docstring) for ``batch`` sequences of ``max_len``;
+    ``spec`` (from :func:`layer_spec`) sets the exact window / sinks, ``dtype`` their dtype."""
     cache = PQCache.create(1, batch, num_kv_heads, max_len, books.head_dim, M=books.key_M, nbits=books.key_nbits,
                            value_M=books.value_M, value_nbits=books.value_nbits,
-                           window=settings.window, sinks=settings.sinks, dtype=dtype, impl=settings.impl)
+                           window=spec.window, sinks=spec.sinks, dtype=dtype, impl=spec.impl)
     arrays = {name: getattr(cache.layers, name)[0] for name in CACHE_FIELDS}
     arrays["lengths"] = cache.lengths
     return arrays
 
 
-def attend_pq(books: PQCodebooks, arrays: dict[str, jax.Array], settings: PQSettings, query: jax.Array,
+def attend_pq(books: PQCodebooks, arrays: dict[str, jax.Array], spec: CacheSpec, query: jax.Array,
               key: jax.Array, value: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Append the new tokens and attend from codes (plus the exact sinks / window).
 
@@ -116,7 +111,8 @@ def attend_pq(books: PQCodebooks, arrays: dict[str, jax.Array], settings: PQSett
     if key.shape[-2:] != (codes.shape[1], books.head_dim):
         raise ValueError(f"PQ cache is for {codes.shape[1]} KV heads of dim {books.head_dim}, got key {key.shape}")
     flat = lambda x: x.reshape((b,) + x.shape[-3:])  # noqa: E731
-    layer = PQLayer(**{n: arrays[n] for n in CACHE_FIELDS}, quantize_all=settings.quantize_all, impl=settings.impl)
+    # the layer's static settings are copied from the spec (checked there)
+    layer = PQLayer(**{n: arrays[n] for n in CACHE_FIELDS}, quantize_all=spec.quantize_all, impl=spec.impl)
     layer.check_books(books)  # the one codes-vs-codebooks check of this call (the kernel does not repeat it)
     t = query.shape[-3]
     n_new = jnp.full((b,), t, jnp.int32)

@@ -43,6 +43,7 @@ __all__ = [
     "MODES",
     "KVBits",
     "bits_per_element",
+    "check_mode",
     "check_settings",
     "decode",
     "dequantize_token_groups",
@@ -90,18 +91,23 @@ def packed_width(head_dim: int, bits: int) -> int:
     return head_dim * bits // 8
 
 
-def check_settings(mode: str, bits: int, group_size: int, head_dim: int) -> None:
-    """Raise a clear ValueError unless (mode, bits, group_size, head_dim) is valid."""
+def check_mode(mode: str, bits: int, group_size: int) -> None:
+    """Raise a clear ValueError unless (mode, bits, group_size) is valid for any head_dim."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     _check_bits(bits)
     if mode == "int8_token" and bits != 8:
         raise ValueError(f"mode 'int8_token' stores 8-bit codes, got bits={bits} (use mode='token')")
+    if mode == "kivi" and (not isinstance(group_size, (int, np.integer)) or group_size < 1):
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+
+
+def check_settings(mode: str, bits: int, group_size: int, head_dim: int) -> None:
+    """Raise a clear ValueError unless (mode, bits, group_size, head_dim) is valid."""
+    check_mode(mode, bits, group_size)
     if head_dim < 1:
         raise ValueError(f"head_dim must be >= 1, got {head_dim}")
     if mode == "kivi":
-        if not isinstance(group_size, (int, np.integer)) or group_size < 1:
-            raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
         if head_dim % group_size:
             raise ValueError(
                 f"head_dim {head_dim} is not divisible by group_size {group_size} "

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from million_app import progress
-from million_app.caches import CacheChoice
+from million_app.caches import beyond_calibration
+from million_jax import CacheSpec
 from million_app.passkey import first_number, passkey_prompt
 from models import generate, init_cache, load_model
 
@@ -107,11 +108,11 @@ def test_calibration_warning_only_past_the_window(cli, tiny_dir, codebooks):
 def test_calibration_advice_mixes_a_short_window():
     """Past the window the advice keeps 512-token windows next to the long one (one long
     window alone starves the sinks: benchmarks/results/position_error_smollm2)."""
-    long_books = CacheChoice(kind="pq", codebooks=object(), calib_window=512)
-    assert long_books.beyond_calibration(512) is None
-    assert "calibrate --window 512,8192`" in long_books.beyond_calibration(8192)
-    short_books = CacheChoice(kind="pq", codebooks=object(), calib_window=256)
-    assert "calibrate --window 400`" in short_books.beyond_calibration(400)
+    pq = CacheSpec("pq")
+    assert beyond_calibration(pq, 512, calib_window=512) is None
+    assert "calibrate --window 512,8192`" in beyond_calibration(pq, 8192, calib_window=512)
+    assert "calibrate --window 400`" in beyond_calibration(pq, 400, calib_window=256)
+    assert beyond_calibration(CacheSpec("uniform", bits=4), 8192, calib_window=256) is None
 
 
 def test_demo_on_tiny_model(cli, tiny_dir, tmp_path, monkeypatch):

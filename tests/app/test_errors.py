@@ -36,7 +36,7 @@ def test_model_package_not_installed(cli, monkeypatch):
 
 @pytest.mark.parametrize("flags, needle", [
     (("--cache", "pq"), "--codebooks"),
-    (("--cache", "uniform"), "--bits"),
+    (("--cache", "uniform"), "needs bits"),
     (("--cache", "uniform", "--bits", "3"), "--bits"),
     (("--cache", "dense", "--bits", "4"), "--bits"),
     (("--cache", "dense", "--protocol", "realistic"), "dense cache is exact"),
@@ -56,7 +56,7 @@ def test_bad_flags(cli, tiny_dir, flags, needle):
 
 def test_codebooks_with_dense_cache(cli, tiny_dir, codebooks):
     err = one_error_line(cli("eval", "--model", tiny_dir, *TEXT, "--codebooks", codebooks))
-    assert "--cache pq" in err
+    assert "--codebooks" in err and "only used by a pq cache" in err
 
 
 def test_codebooks_of_another_model(cli, other_tiny_dir, codebooks):

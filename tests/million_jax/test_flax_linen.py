@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
+from million_jax import CacheSpec
 from million_jax.flax import CODEBOOK_COLLECTION, PQMultiHeadDotProductAttention, calibrate_linen, linen_codebooks
 from million_jax.flax.linen_attention import linen_pq_layers
 
@@ -18,8 +19,8 @@ HKV, HEAD_DIM = 2, D_MODEL // HEADS
 
 def test_decode_equals_reference_attention_from_codes():
     window, sinks = 2, 1
-    layer = PQMultiHeadDotProductAttention(num_heads=HEADS, num_kv_heads=HKV, decode=True, window=window,
-                                           sinks=sinks, impl="xla")
+    layer = PQMultiHeadDotProductAttention(num_heads=HEADS, num_kv_heads=HKV, decode=True,
+                                           cache_spec=CacheSpec("pq", window=window, sinks=sinks, impl="xla"))
     x = np.random.default_rng(0).standard_normal((2, 8, D_MODEL)).astype(np.float32)
     params = layer.init(jax.random.PRNGKey(0), jnp.asarray(x))["params"]  # params only: no codebooks yet
     books = random_books(1, HKV, HEAD_DIM, M=4, nbits=5)
@@ -61,7 +62,7 @@ def test_calibrated_12bit_logits_close_to_stock():
     params = stock.init(jax.random.PRNGKey(0), eval_tokens)["params"]
     dense = _decode_logits(LinenDecoder(decode=True), {"params": params}, eval_tokens)
     np.testing.assert_allclose(np.asarray(dense), np.asarray(stock.apply({"params": params}, eval_tokens)), atol=1e-5)
-    pq_kw = {"impl": "xla"}
+    pq_kw = {"cache_spec": CacheSpec("pq", impl="xla")}
     pq = LinenDecoder(PQMultiHeadDotProductAttention, pq_kw)
     np.testing.assert_array_equal(np.asarray(pq.apply({"params": params}, eval_tokens)),  # stock weights, non-decode
                                   np.asarray(stock.apply({"params": params}, eval_tokens)))
@@ -78,7 +79,7 @@ def test_calibrated_12bit_logits_close_to_stock():
 
 
 def test_jit_with_donated_cache_compiles_once():
-    model = LinenDecoder(PQMultiHeadDotProductAttention, {"impl": "xla", "num_kv_heads": HKV, "window": 2}, decode=True)
+    model = LinenDecoder(PQMultiHeadDotProductAttention, {"cache_spec": CacheSpec("pq", impl="xla", window=2), "num_kv_heads": HKV}, decode=True)
     tok = jnp.zeros((2, 1), jnp.int32)
     params = model.init(jax.random.PRNGKey(0), tok)["params"]
     books = linen_codebooks(random_books(2, HKV, HEAD_DIM, M=4, nbits=4), [("attn_0",), ("attn_1",)])
@@ -127,5 +128,10 @@ def test_clear_errors():
                     mutable=["cache"])
     with pytest.raises(ValueError, match="num_kv_heads"):
         PQMultiHeadDotProductAttention(num_heads=4, num_kv_heads=3).init(jax.random.PRNGKey(0), jnp.ones((1, 2, 8)))
-    with pytest.raises(ValueError, match="impl"):
-        PQMultiHeadDotProductAttention(num_heads=4, impl="gpu").init(jax.random.PRNGKey(0), jnp.ones((1, 2, 8)))
+    with pytest.raises(ValueError, match=r"cache_spec=CacheSpec\('pq'"):
+        PQMultiHeadDotProductAttention(num_heads=4, cache_spec=CacheSpec("uniform", bits=4)).init(
+            jax.random.PRNGKey(0), jnp.ones((1, 2, 8)))
+    books = random_books(1, 4, 2, M=2, nbits=4)
+    with pytest.raises(ValueError, match="not in cache_spec"):
+        PQMultiHeadDotProductAttention(num_heads=4, cache_spec=CacheSpec("pq", codebooks=books)).init(
+            jax.random.PRNGKey(0), jnp.ones((1, 2, 8)))

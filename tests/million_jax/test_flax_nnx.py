@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from million_jax import CacheSpec
 from million_jax.quant.codebook_io import load_kv_codebooks, save_kv_codebooks
 from million_jax.flax import PQCodebook, PQMultiHeadAttention, attach_codebooks, calibrate_nnx, pq_layers
 
@@ -18,8 +19,8 @@ HKV, HEAD_DIM = 2, D_MODEL // HEADS
 
 def _layer(window=0, sinks=0, impl="xla", seed=0):
     books = random_books(1, HKV, HEAD_DIM, M=4, nbits=5, seed=seed)
-    return PQMultiHeadAttention(HEADS, D_MODEL, num_kv_heads=HKV, decode=True, codebooks=books, window=window,
-                                sinks=sinks, impl=impl, rngs=nnx.Rngs(seed))
+    return PQMultiHeadAttention(HEADS, D_MODEL, num_kv_heads=HKV, decode=True, codebooks=books,
+                                cache_spec=CacheSpec("pq", window=window, sinks=sinks, impl=impl), rngs=nnx.Rngs(seed))
 
 
 @pytest.mark.parametrize("window,sinks", [(0, 0), (3, 2)])
@@ -73,7 +74,7 @@ def test_calibrated_12bit_logits_close_to_stock():
     dense = _decode_logits(stock, eval_tokens)
     errors, spread = {}, float(jnp.std(dense))
     for nbits in (12, 4):
-        pq = NNXDecoder(PQMultiHeadAttention, impl="xla")
+        pq = NNXDecoder(PQMultiHeadAttention, cache_spec=CacheSpec("pq", impl="xla"))
         nnx.update(pq, nnx.state(stock, nnx.Param))  # the stock weights load as they are
         if nbits == 12:  # non-decode: the stock layer's output
             np.testing.assert_array_equal(np.asarray(pq(eval_tokens)), np.asarray(stock(eval_tokens)))
@@ -85,7 +86,7 @@ def test_calibrated_12bit_logits_close_to_stock():
 
 
 def test_jit_with_donated_cache_compiles_once():
-    model = NNXDecoder(PQMultiHeadAttention, impl="xla")
+    model = NNXDecoder(PQMultiHeadAttention, cache_spec=CacheSpec("pq", impl="xla"))
     attach_codebooks(model, random_books(2, HKV, HEAD_DIM, M=4, nbits=4))
     model.init_cache(2, 16)
     graphdef, params, books, cache = nnx.split(model, nnx.Param, PQCodebook, nnx.Cache)
@@ -109,7 +110,7 @@ def test_jit_with_donated_cache_compiles_once():
 
 
 def test_codebook_file_round_trip(tmp_path):
-    model = NNXDecoder(PQMultiHeadAttention, impl="xla")
+    model = NNXDecoder(PQMultiHeadAttention, cache_spec=CacheSpec("pq", impl="xla"))
     books = random_books(2, HKV, HEAD_DIM, M=8, nbits=4, seed=3)
     save_kv_codebooks(tmp_path / "books.safetensors", books)
     loaded, _ = load_kv_codebooks(tmp_path / "books.safetensors")
@@ -140,4 +141,10 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="mask is not supported"):
         layer(x, mask=jnp.ones((2, 1, 1, 8), bool))
     with pytest.raises(ValueError, match="impl"):
-        PQMultiHeadAttention(HEADS, D_MODEL, impl="cuda", rngs=nnx.Rngs(0))
+        CacheSpec("pq", impl="cuda")
+    with pytest.raises(ValueError, match=r"cache_spec=CacheSpec\('pq'"):
+        PQMultiHeadAttention(HEADS, D_MODEL, cache_spec=CacheSpec("dense"), rngs=nnx.Rngs(0))
+    books = random_books(1, HKV, HEAD_DIM, M=4, nbits=5)
+    with pytest.raises(ValueError, match="codebooks given twice"):
+        PQMultiHeadAttention(HEADS, D_MODEL, num_kv_heads=HKV, codebooks=books, cache_spec=CacheSpec("pq", codebooks=books),
+                             rngs=nnx.Rngs(0))
