@@ -12,8 +12,12 @@ State (``PQLayer``, stacked over layers; a registered dataclass pytree donated a
 
 Codebooks are NOT part of the state: they are a separate, constant
 :class:`~million_jax.quant.kv_codebooks.PQCodebooks` passed as ``cache_consts`` (so donating the
-cache never donates them), already laid out per layer. Keys are encoded after RoPE, so
-q . k is a LUT sum.
+cache never donates them), already laid out per layer. Keys are encoded after RoPE (MILLION),
+so q . k is a LUT sum, or, with pre-RoPE codebooks (``PQCodebooks.key_rope == "pre"``),
+before it: a new key is rotated back by its position and put in RoPE-pair layout
+(:mod:`million_jax.rope`) before encoding, the query goes to the same layout, and the
+attention paths rotate code row t by t * inv_freq (two lookup tables per pair); the exact
+sinks / window keep the post-RoPE keys.
 
 Key / value transforms of the codebooks (query-aware keys, output-aware values;
 :mod:`million_jax.quant.kv_transforms`) are applied here and only here: new keys / values are
@@ -47,6 +51,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from million_jax import rope
 from million_jax.attention.exact import tiled_dense_attention
 from million_jax.cache.base import CACHE_DIMS, Writes, check_cache_args, kept_tokens, register_cache, token_rows
 from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
@@ -116,14 +121,24 @@ class PQLayer(ExactWindowLayer):
         # Tokens that would land past T_max are dropped everywhere (codes, ring, sinks).
         n_new = kept_tokens(lengths, n_new, t_max)
         pos, rows = token_rows(lengths, n_new, t, t_max)
-        new_kc = _encode(consts.key, k, consts.key_transform, stages)  # [B, Hkv, T, Mk]
+        freqs = consts.key_subspace_freqs()  # None, or pre-RoPE keys: float32[S * M], sub-space m = pair m
+        k_enc, qc = k, q
+        if freqs is not None:  # encode the keys rotated back to position 0, in RoPE-pair layout
+            cos, sin = rope.rope_cos_sin(pos, consts.rope_inv_freq)  # [B, T, d/2]
+            k_enc = rope.to_pair_layout(rope.unrotate(k, cos[:, :, None], sin[:, :, None]))
+            qc = rope.to_pair_layout(q)
+        new_kc = _encode(consts.key, k_enc, consts.key_transform, stages)  # [B, Hkv, T, Mk]
         new_vc = _encode(consts.value, v, consts.value_transform, stages)
         lo, hi = self.code_region(pos, lengths + n_new)
-        qc = q if consts.query_transform is None else apply_head_transform(q, consts.query_transform)
+        qc = qc if consts.query_transform is None else apply_head_transform(qc, consts.query_transform)
         qc = tile_query(qc, stages)  # residual codes read as plain PQ (million_jax.quant.residual_pq)
         stored = pq_code_attention(qc, self.k_codes, self.v_codes, kcb, vcb, lo, jnp.minimum(hi, lengths[:, None]),
-                                   impl=self.impl, mesh=self.mesh, scale=scale)
-        fresh = tiled_dense_attention(qc, gather_centroids(kcb, new_kc), gather_centroids(vcb, new_vc),
+                                   impl=self.impl, mesh=self.mesh, scale=scale, rope_inv_freq=freqs)
+        new_k = gather_centroids(kcb, new_kc)  # [B, Hkv, T, S * d]
+        if freqs is not None:  # the new tokens' decoded keys turned to their own positions
+            cos, sin = rope.rope_cos_sin(pos, freqs)  # [B, T, S * M]
+            new_k = rope.rotate_pair_layout(new_k, cos[:, None], sin[:, None])
+        fresh = tiled_dense_attention(qc, new_k, gather_centroids(vcb, new_vc),
                                       jnp.maximum(lo - lengths[:, None], 0), jnp.clip(hi - lengths[:, None], 0, t),
                                       scale=scale, return_lse=True)
         out, lse = merge_partials(*zip(stored, fresh))
