@@ -9,6 +9,8 @@ Installs nothing. Steps:
      the LLaMA-3.1-8B shape with 6-bit codes packed at their real width (3 bits / element,
      4 codes in 3 bytes, unpacked in the kernel):
        pq          the Pallas kernel (default launch config, + any --variant)
+       pq-pre      the same with keys quantized before RoPE (rope_inv_freq: each key pair
+                   rotated in the kernel at its position; --rope post|pre|both, default both)
        bf16-xla    dense bf16 K/V, einsum + fp32 softmax + einsum (XLA)
        bf16-cudnn  jax.nn.dot_product_attention(implementation="cudnn") where it runs
      Each time is the mean of N calls inside one jitted fori_loop (no dispatch overhead; the
@@ -23,6 +25,7 @@ shape, so a run cut short still leaves its rows.
   python benchmarks/gpu_attention.py --tiny --out /tmp/r   # CPU smoke test (interpret mode)
   python benchmarks/gpu_attention.py --contexts 32768 --batches 1 \
       --variant bt128:block_t=128 --variant w8:num_warps=8 --variant lut:key_path=lut
+  python benchmarks/gpu_attention.py --rope pre --variant bt16:block_t=16 --variant bt64w8:block_t=64,num_warps=8
 """
 
 from __future__ import annotations
@@ -169,12 +172,20 @@ def bench_shape(args, shape: HeadShape, b: int, t: int, variants, copy_bw, devic
 
     copies = args.copies or (1 if args.tiny else max(1, min(MAX_COPIES, -(-MIN_HBM_BYTES // pq_bytes))))
     codes, kcb, vcb = make_pq_cache(key, b, shape, t, copies, jnp.dtype(args.codebook_dtype))
-    for name, knobs in variants:
+    freqs = rope_freqs(shape)
+    ropes = [r for r in ("post", "pre") if args.rope in (r, "both")]
+    if freqs is None:
+        ropes = [r for r in ropes if r == "post"]  # pre-RoPE keys need dsub = 2
+    for rope, (name, knobs) in ((r, v) for r in ropes for v in variants):
+        if rope == "pre":
+            if knobs.get("key_path", "centroid") != "centroid":
+                continue  # the kernel takes pre-RoPE keys on the centroid path only
+            name = name.replace("pq", "pq-pre", 1)
         fn = functools.partial(_pq_step, kcb=kcb, vcb=vcb, start=zeros, end=lengths,
-                               knobs=knobs, interpret=args.tiny)
+                               knobs=knobs, interpret=args.tiny, rope_inv_freq=freqs if rope == "pre" else None)
         try:
             sec = time_per_call(rotating(fn, len(codes)), q, codes, tiny=args.tiny)
-            row(name, sec, pq_bytes, knobs=knobs, copies=len(codes))
+            row(name, sec, pq_bytes, knobs=knobs, copies=len(codes), key_rope=rope)
         except Exception as e:  # noqa: BLE001 - report and go on with the other impls
             print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     del codes
@@ -206,9 +217,18 @@ def bench_shape(args, shape: HeadShape, b: int, t: int, variants, copy_bw, devic
     return rows
 
 
-def _pq_step(q, codes, *, kcb, vcb, start, end, knobs, interpret):
+def rope_freqs(shape: HeadShape) -> jax.Array | None:
+    """LLaMA-3 RoPE frequencies (theta 500000) of the shape's M pairs; None unless dsub = 2."""
+    if shape.head_dim != 2 * shape.num_subspaces:
+        return None
+    m = shape.num_subspaces
+    return jnp.asarray(1.0 / 500000.0 ** (np.arange(m) / m), jnp.float32)
+
+
+def _pq_step(q, codes, *, kcb, vcb, start, end, knobs, interpret, rope_inv_freq=None):
     kc, vc = codes
-    out, _ = pq_decode_attention(q, kc, vc, kcb, vcb, start, end, interpret=interpret, **knobs)
+    rope = {} if rope_inv_freq is None else dict(rope_inv_freq=rope_inv_freq)
+    out, _ = pq_decode_attention(q, kc, vc, kcb, vcb, start, end, interpret=interpret, **knobs, **rope)
     return _next_q(q, out)
 
 
@@ -241,13 +261,16 @@ def correctness_checks(args, device) -> list[dict]:
             start=jnp.asarray([0, 3, 0][:b], jnp.int32),
             end=jnp.asarray([t, 4, t // 2 + 1][:b], jnp.int32),  # ragged, one length-1 row
         )
-        ref_out, ref_lse = jax.jit(pq_decode_attention_reference)(**inputs)
-        for key_path in ("centroid", "lut"):
+        freqs = jnp.asarray(1.0 / 500000.0 ** (np.arange(m) / m), jnp.float32) if d == 2 * m else None
+        paths = [(kp, None) for kp in ("centroid", "lut")] + ([("pre-rope", freqs)] if freqs is not None else [])
+        for key_path, rope_inv_freq in paths:
+            rope = {} if rope_inv_freq is None else dict(rope_inv_freq=rope_inv_freq)
+            ref_out, ref_lse = jax.jit(pq_decode_attention_reference)(**inputs, **rope)
             for precision in ("bf16", "fp32"):
-                fn = jax.jit(functools.partial(pq_decode_attention, key_path=key_path,
+                fn = jax.jit(functools.partial(pq_decode_attention, key_path="centroid" if rope else key_path,
                                                precision=precision, interpret=args.tiny))
                 try:
-                    out, lse = fn(**inputs)
+                    out, lse = fn(**inputs, **rope)
                     err = float(jnp.max(jnp.abs(out - ref_out)))
                     same_inf = jnp.isneginf(lse) & jnp.isneginf(ref_lse)
                     lse_err = float(jnp.max(jnp.where(same_inf, 0.0, jnp.abs(lse - ref_lse))))
@@ -314,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copies", type=int, default=None,
                    help="cache copies to rotate over (default: enough to exceed 2x L2; 1 with --tiny)")
     p.add_argument("--skip-checks", action="store_true")
+    p.add_argument("--rope", default="both", choices=["post", "pre", "both"],
+                   help="PQ rows with keys quantized after RoPE (post), before (pre, rotated in the kernel), or both")
     p.add_argument("--try-cudnn", action="store_true", help="also try cuDNN in --tiny mode")
     args = p.parse_args(argv)
 

@@ -32,8 +32,10 @@ def test_gpu_attention_tiny_smoke(tmp_path) -> None:
     rows = json.loads((tmp_path / json_path).read_text())
     checks = [r for r in rows if r["impl"].startswith("check:")]
     assert checks and all(r["ok"] for r in checks)
+    assert any(":pre-rope:" in r["impl"] for r in checks)
     timed = {r["impl"]: r for r in rows if r["seconds"] is not None}
-    assert {"pq", "pq[bt32]", "bf16-xla"} <= set(timed)
+    assert {"pq", "pq[bt32]", "pq-pre", "pq-pre[bt32]", "bf16-xla"} <= set(timed)
+    assert timed["pq-pre"]["key_rope"] == "pre" and timed["pq"]["key_rope"] == "post"
     for r in timed.values():
         assert {"context", "batch", "shape", "impl", "seconds", "gbps", "speedup", "device"} <= set(r)
         assert r["context"] == 40 and r["batch"] == 2 and r["seconds"] > 0

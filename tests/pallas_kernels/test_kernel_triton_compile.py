@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from pallas_kernels import pq_decode_attention
-from triton_compile_check import SHAPES, capture_ttir, compile_ttir
+from triton_compile_check import SHAPES, capture_ttir, compile_ttir, rope_kernel
 
 pytestmark = pytest.mark.kernels
 
@@ -32,5 +32,23 @@ def test_default_config_compiles_without_spills(shape: str, key_path: str) -> No
     res = compile_ttir(ttir, 4, 2, TRITON_PYTHON)
     assert res["ptxas_ok"]
     assert res["spill_stores"] == 0 and res["stack"] == 0, res
+    assert res["shared"] <= 227 * 1024, res
+    assert any(op.startswith("mma") or op.startswith("wgmma") for op in res["ptx_ops"]), res
+
+
+@pytest.mark.skipif(TRITON_PYTHON is None, reason="no `triton` package (set MILLION_JAX_TRITON_PYTHON)")
+@pytest.mark.parametrize("shape", ["llama3-gqa4", "smollm2-gqa3-d64", "llama3-gqa4-4bit", "llama3-gqa4-6bit"])
+def test_pre_rope_default_config_compiles_without_spills(shape: str) -> None:
+    """Pre-RoPE keys at their default block_t (32): no spills. Measured (triton 3.9, sm_90a):
+    168 registers for llama3-gqa4 and its 4-bit codes, 128 for smollm2, 255 (the cap, still no
+    spill) for 6-bit codes; block_t 64 spills with packed codes, block_t 16 needs 80-161.
+
+    The stack is not asserted empty: libdevice's cosf / sinf keep a small local array for their
+    Payne-Hanek branch (|x| > 1e5), which the kernel's angles in [-pi, pi) never take."""
+    fn, args, _ = rope_kernel(SHAPES[shape], dict(rope=True))
+    (ttir,) = capture_ttir(fn, *args)
+    res = compile_ttir(ttir, 4, 2, TRITON_PYTHON)
+    assert res["ptxas_ok"]
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] <= 64, res
     assert res["shared"] <= 227 * 1024, res
     assert any(op.startswith("mma") or op.startswith("wgmma") for op in res["ptx_ops"]), res

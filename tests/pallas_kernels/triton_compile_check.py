@@ -117,23 +117,36 @@ SHAPES = {
 }
 
 
+def rope_kernel(args: tuple, knobs: dict) -> tuple[Callable[..., Any], tuple, dict]:
+    """(fn, args, launch knobs) of the kernel; knobs["rope"] True: pre-RoPE keys (rope_inv_freq
+    float32[M] as one more argument, block_t defaulting to `launch.DEFAULT_BLOCK_T_ROPE`)."""
+    from pallas_kernels.launch import DEFAULT_BLOCK_T_ROPE
+    from pallas_kernels.pq_decode_attention import pq_decode_attention
+
+    knobs = dict(knobs)
+    if not knobs.pop("rope", False):
+        return functools.partial(pq_decode_attention, **knobs), args, knobs
+    knobs.setdefault("block_t", DEFAULT_BLOCK_T_ROPE)
+    fn = lambda *a: pq_decode_attention(*a[:-1], rope_inv_freq=a[-1], **knobs)  # noqa: E731
+    return fn, args + (jax.ShapeDtypeStruct((args[3].shape[1],), jnp.float32),), knobs
+
+
 def report(
     knob_sets: Sequence[dict], shapes: Sequence[str], triton_python: str
 ) -> list[dict]:
-    """Compile report rows for each (shape, knob set)."""
+    """Compile report rows for each (shape, knob set); knob "rope": True = pre-RoPE keys."""
     from pallas_kernels.launch import default_launch_config
-    from pallas_kernels.pq_decode_attention import pq_decode_attention
 
     rows = []
     for shape in shapes:
-        args = SHAPES[shape]
-        for knobs in knob_sets:
-            (ttir,) = capture_ttir(functools.partial(pq_decode_attention, **knobs), *args)
+        for knob_set in knob_sets:
+            fn, args, knobs = rope_kernel(SHAPES[shape], knob_set)
+            (ttir,) = capture_ttir(fn, *args)
             b, _, t, _ = args[1].shape
             cfg = default_launch_config(b, args[1].shape[1], t, key_path=knobs.get("key_path", "centroid"),
                                         **{k: knobs.get(k) for k in ("block_t", "num_splits", "num_warps", "num_stages")})
             res = compile_ttir(ttir, cfg.num_warps, cfg.num_stages, triton_python)
-            rows.append(dict(shape=shape, knobs=knobs, block_t=cfg.block_t, num_warps=cfg.num_warps,
+            rows.append(dict(shape=shape, knobs=knob_set, block_t=cfg.block_t, num_warps=cfg.num_warps,
                              num_stages=cfg.num_stages, **res))
     return rows
 
@@ -143,8 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--triton-python", default=sys.executable, help="a Python with the `triton` package")
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--sweep", action="store_true", help="also block_t / warps / stages / key_path variants")
+    p.add_argument("--rope", action="store_true", help="also pre-RoPE keys (rope_inv_freq), default and swept knobs")
     args = p.parse_args(argv)
     knob_sets: list[dict] = [{}]
+    if args.rope:
+        knob_sets += [dict(rope=True)] + [dict(rope=True, block_t=bt, num_warps=w, num_stages=s)
+                                          for bt, w, s in ((64, 4, 2), (32, 4, 3), (64, 8, 2), (16, 4, 2))]
     if args.sweep:
         knob_sets += [dict(block_t=bt, num_warps=w, num_stages=s)
                       for bt in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]
