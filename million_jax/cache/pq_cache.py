@@ -62,6 +62,7 @@ from million_jax.quant.pq import Codebooks, code_dtype
 from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.quant.residual_pq import check_stages, encode_stages, fold_output, tile_query
 from pallas_kernels.pq_math import gather_centroids
+from pallas_kernels.pq_math import rope_cos_sin as code_rope_cos_sin
 from pallas_kernels.softmax import merge_partials
 
 __all__ = ["PQCache", "PQLayer"]
@@ -135,8 +136,8 @@ class PQLayer(ExactWindowLayer):
         stored = pq_code_attention(qc, self.k_codes, self.v_codes, kcb, vcb, lo, jnp.minimum(hi, lengths[:, None]),
                                    impl=self.impl, mesh=self.mesh, scale=scale, rope_inv_freq=freqs)
         new_k = gather_centroids(kcb, new_kc)  # [B, Hkv, T, S * d]
-        if freqs is not None:  # the new tokens' decoded keys turned to their own positions
-            cos, sin = rope.rope_cos_sin(pos, freqs)  # [B, T, S * M]
+        if freqs is not None:  # the new tokens' decoded keys turned to their own positions,
+            cos, sin = code_rope_cos_sin(pos, freqs)  # [B, T, S * M], with the angles the code paths use
             new_k = rope.rotate_pair_layout(new_k, cos[:, None], sin[:, None])
         fresh = tiled_dense_attention(qc, new_k, gather_centroids(vcb, new_vc),
                                       jnp.maximum(lo - lengths[:, None], 0), jnp.clip(hi - lengths[:, None], 0, t),
