@@ -1,19 +1,10 @@
 """Cache overflow is never silent: host-side errors with concrete lengths, a flag under jit."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from million_jax import CacheOverflowError, CacheSpec, fit_kv_codebooks, make_cache
-from models import decode_step, init_params, prefill, preset
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = preset("tiny")
-    x = np.random.default_rng(0).standard_normal((2, 2, 256, 16)).astype(np.float32)
-    books = fit_kv_codebooks(x, x, M=8, nbits=4, key=jax.random.PRNGKey(0), iters=1)
-    return cfg, init_params(cfg, jax.random.PRNGKey(0)), books
+from million_jax import CacheOverflowError, CacheSpec, make_cache
+from models import decode_step, prefill
 
 
 @pytest.mark.parametrize("kind", ["pq", "dense", "uniform"])
