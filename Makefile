@@ -10,6 +10,10 @@ PY312 ?= $(shell for c in /root/.pyenv/versions/3.12*/bin/python3 $$(command -v 
             "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$c"; break; }; done)
 VENV := .venv
 VENV312 := .venv312
+# The default runs every test (CI too). A quicker local pass skips the tests marked slow
+# (about 15 s or more each: SmolLM2, notebooks, subprocess meshes, the gpu_e2e smoke run):
+#   make test-main PYTEST_ARGS='-n 2 -m "not slow"'
+# and `-m kernels` selects the Pallas kernel tests (markers: pyproject.toml).
 PYTEST_ARGS ?= -n 2 --durations=15
 
 .PHONY: demo test test-main test-kernels-py312 bench-kmeans clean

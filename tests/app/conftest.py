@@ -1,19 +1,13 @@
-"""Fixtures for the command-line tests: a tiny random HF checkpoint and an in-process CLI runner."""
+"""Fixtures for the command-line tests: a tiny random HF checkpoint (as a directory and loaded),
+an in-process CLI runner, calibrated codebooks."""
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 
-from million_app.tiny import write_tiny_checkpoint
+from cli_result import Result, one_error_line
 from million_app.cli import main
-
-
-@dataclasses.dataclass
-class Result:
-    rc: int
-    out: str
-    err: str
+from million_app.tiny import write_tiny_checkpoint
+from models import load_model
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +20,12 @@ def tiny_dir(tmp_path_factory) -> str:
 def other_tiny_dir(tmp_path_factory) -> str:
     """Same shapes as ``tiny_dir``, different weights (a different model fingerprint)."""
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_other") / "model"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    """The ``tiny_dir`` checkpoint loaded (``models.load_model``)."""
+    return load_model(tiny_dir)
 
 
 @pytest.fixture
@@ -50,18 +50,7 @@ def codebooks(tiny_dir, tmp_path_factory) -> str:
     return path
 
 
-def one_error_line(res: Result) -> str:
-    """Assert exit status 2 and a single ``error: ...`` line on stderr; return it."""
-    assert res.rc == 2, (res.out, res.err)
-    lines = [ln for ln in res.err.splitlines() if ln.strip()]
-    assert len(lines) == 1, res.err
-    assert lines[0].startswith("error: "), res.err
-    assert "Traceback" not in res.err
-    return lines[0]
-
-
 @pytest.fixture
 def error_line():
-    """``one_error_line`` as a fixture (a plain ``from conftest import`` can pick up another
-    directory's conftest when several test directories run together)."""
+    """``cli_result.one_error_line`` as a fixture."""
     return one_error_line

@@ -5,17 +5,7 @@ import json
 
 import pytest
 
-from models import ModelNotInstalledError, smollm2_gguf_path
-
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _needs_smollm2():
-    try:
-        smollm2_gguf_path()
-    except ModelNotInstalledError as e:
-        pytest.skip(str(e))
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("smollm2_gguf")]
 
 
 def test_eval_dense_smollm2(cli, tmp_path):

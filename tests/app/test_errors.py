@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from conftest import one_error_line
+from cli_result import one_error_line
 
 from million_app.cli import main
 

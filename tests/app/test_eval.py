@@ -10,14 +10,9 @@ import pytest
 from million_app.calibrate import model_fingerprint
 from million_app.corpus import read_text, text_hash
 from million_jax.quant.codebook_io import load_codebooks
-from models import forward, load_model
+from models import forward
 
 EVAL = ("--text", "builtin:eval", "--quiet")
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return load_model(tiny_dir)
 
 
 def hand_nll(model, ids: list[int], window: int, max_tokens: int) -> tuple[float, int]:

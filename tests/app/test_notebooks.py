@@ -45,13 +45,8 @@ def test_kernels_notebook_runs():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("smollm2_gguf")
 def test_quickstart_notebook_runs():
-    from models import ModelNotInstalledError, smollm2_gguf_path
-
-    try:
-        smollm2_gguf_path()
-    except ModelNotInstalledError as e:
-        pytest.skip(str(e))
     nb = execute("quickstart.ipynb")
     text = outputs(nb)
     assert "dense" in text and "ppl" in text

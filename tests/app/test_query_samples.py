@@ -12,14 +12,8 @@ from million_app.loading import tokenize
 from million_app.recipes import RECIPES, fit_recipe
 from million_jax.calibration.finetune import layer_errors
 from million_jax.quant.codebook_io import load_codebooks
-from models import load_model
 
 WINDOW = 128
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return load_model(tiny_dir)
 
 
 @pytest.fixture(scope="module")

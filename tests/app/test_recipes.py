@@ -7,13 +7,7 @@ import pytest
 from million_app.calibrate import load_model_codebooks
 from million_app.recipes import BEST_FOR_BITS, RECIPES
 from million_jax.quant.codebook_io import load_codebooks
-from models import load_model
-from conftest import one_error_line
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return load_model(tiny_dir)
+from cli_result import one_error_line
 
 
 def test_calibrate_bits_writes_the_recipe(cli, tiny_dir, tiny, tmp_path):

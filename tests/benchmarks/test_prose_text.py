@@ -4,24 +4,20 @@ and one-line errors (exit status 2) for a missing or malformed source. No networ
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
-import sys
 import tarfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-_ROOT = Path(__file__).resolve().parents[2]
+from benchmarks import prose_text
 
 
 @pytest.fixture(scope="module")
 def prose() -> Any:
-    if str(_ROOT) not in sys.path:
-        sys.path.insert(0, str(_ROOT))  # the benchmarks package lives at the repository root
-    return importlib.import_module("benchmarks.prose_text")
+    return prose_text
 
 
 CHAPTERS = {n: {"chapter": str(n), "title": f"Title {n}.", "text": f"Text of chapter {n}.\n\nSecond paragraph {n}."}

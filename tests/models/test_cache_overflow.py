@@ -2,19 +2,10 @@
 jitted entry points donate the cache."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from million_jax import CacheOverflowError, CacheSpec, fit_kv_codebooks, make_cache
-from models import check_room, decode_step, forward, init_params, prefill, preset
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = preset("tiny")
-    x = np.random.default_rng(0).standard_normal((2, 2, 256, 16)).astype(np.float32)
-    books = fit_kv_codebooks(x, x, M=8, nbits=4, key=jax.random.PRNGKey(0), iters=1)
-    return cfg, init_params(cfg, jax.random.PRNGKey(0)), books
+from million_jax import CacheOverflowError, CacheSpec, make_cache
+from models import check_room, decode_step, prefill
 
 
 def _spec(kind, books):

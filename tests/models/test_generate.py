@@ -6,17 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import (STOP_CACHE_FULL, STOP_EOS, STOP_MAX_TOKENS, forward, generate, init_cache,
-                    init_params, prefill, preset, sample_logits)
+from models import (STOP_CACHE_FULL, STOP_EOS, STOP_MAX_TOKENS, forward, generate, init_cache, prefill,
+                    preset, sample_logits)
 
 CONFIG = preset("tiny")
 PROMPTS = np.array([[11, 12, 13, 14, 15], [21, 22, 23, 0, 0]], np.int32)
 LENGTHS = np.array([5, 3], np.int32)
-
-
-@pytest.fixture(scope="module")
-def params():
-    return init_params(CONFIG, jax.random.key(1), jnp.float32, stddev=0.2)
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import cast_params, decode_step, forward, init_cache, init_params, prefill, preset
+from models import cast_params, decode_step, forward, init_cache, prefill, preset
 from models.config import RopeScaling
 
 CONFIG = preset("tiny").replace(
     rope_scaling=RopeScaling("llama3", 4.0, 1.0, 4.0, original_max_position_embeddings=8))
-
-
-@pytest.fixture(scope="module")
-def params():
-    # std 0.2 (not HF's 0.02) so attention is peaked and position mistakes show.
-    return init_params(CONFIG, jax.random.key(0), jnp.float32, stddev=0.2)
 
 
 def _tokens(b, t, seed=0):

@@ -7,21 +7,10 @@ import pytest
 from million_app.calibrate import calibrate_model
 from million_app.corpus import builtin_split
 from million_jax.cache import DenseCache, PQCache, UniformCache
-from million_jax.calibration.fit import fit_kv_codebooks
-from models import decode_step, generate, init_cache, init_params, prefill, preset
+from models import decode_step, generate, init_cache, load_model, prefill
 
 
 # ---------------------------------------------------------------- jit hygiene (tiny model)
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = preset("tiny").replace(n_layers=4)
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    rng = np.random.default_rng(0)
-    cal = rng.standard_normal((cfg.n_layers, cfg.n_kv_heads, 512, cfg.head_dim)).astype(np.float32)
-    books = fit_kv_codebooks(cal, cal, M=cfg.head_dim // 2, nbits=6, key=jax.random.PRNGKey(0), iters=2)
-    return cfg, params, books
-
-
 def _caches(cfg, books, t_max):
     L, hkv, d = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
     return {
@@ -70,14 +59,8 @@ def test_pq_cache_is_about_a_quarter_of_dense_at_4_bits(tiny):
 
 # ---------------------------------------------------------------- SmolLM2 fidelity
 @pytest.fixture(scope="module")
-def smol():
-    from models import load_model
-    from models.errors import ModelNotInstalledError
-
-    try:
-        m = load_model("smollm2")
-    except ModelNotInstalledError as e:  # pragma: no cover - CI installs it
-        pytest.fail(str(e))
+def smol(smollm2_gguf):
+    m = load_model("smollm2")
     calib_ids = m.encode(builtin_split("calib")[:20000])
     return m, calib_ids
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hf_helpers import rel_err
 
-from models import ModelNotInstalledError, generate, load_model, smollm2_gguf_path
+from models import generate, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -27,24 +27,16 @@ MIXED_TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return smollm2_gguf_path()
-    except ModelNotInstalledError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
-def ours(gguf_path):
+def ours(smollm2_gguf):
     return load_model("smollm2")
 
 
 @pytest.fixture(scope="module")
-def hf(gguf_path):
+def hf(smollm2_gguf):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    d, f = os.path.split(gguf_path)
+    d, f = os.path.split(smollm2_gguf)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     return model, tok

@@ -7,9 +7,6 @@ import json
 import os
 import sys
 
-import pytest
-
-pytestmark = pytest.mark.kernels
 
 _SCRIPT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),

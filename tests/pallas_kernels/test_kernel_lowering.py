@@ -17,8 +17,6 @@ from pallas_kernels import pq_decode_attention, pq_kernel_unsupported_reason
 from cuda_export import TRITON_CUSTOM_CALL, export_for_cuda
 from pallas_kernels.code_packing import packed_width
 
-pytestmark = pytest.mark.kernels
-
 
 def specs(b, h, hkv, d, m, t, nbits=8, g=1, cb_dtype=jnp.float32, q_dtype=jnp.bfloat16, packed=False):
     s = jax.ShapeDtypeStruct

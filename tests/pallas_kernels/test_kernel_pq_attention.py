@@ -20,8 +20,6 @@ from pallas_kernels import (
     pq_kernel_unsupported_reason,
 )
 
-pytestmark = pytest.mark.kernels
-
 # fp32 dots: exact up to summation order. bf16 dots: operands rounded to 8 mantissa bits.
 TOL = {"fp32": dict(atol=2e-5, rtol=2e-5), "bf16": dict(atol=4e-2, rtol=4e-2)}
 

@@ -17,8 +17,6 @@ import pytest
 from pallas_kernels import pq_decode_attention
 from triton_compile_check import SHAPES, capture_ttir, compile_ttir, rope_kernel
 
-pytestmark = pytest.mark.kernels
-
 TRITON_PYTHON = os.environ.get("MILLION_JAX_TRITON_PYTHON") or (
     sys.executable if importlib.util.find_spec("triton") else None
 )
