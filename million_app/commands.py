@@ -82,7 +82,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                              finetune_steps=recipe.finetune_steps if recipe else 0)
     save_model_codebooks(args.out, books, meta)
     print(f"wrote {args.out}: {books.recipe} {books.granularity} codebooks "
-          f"({meta['bits_per_elem']:.2f} bits/elem, {human_bytes(books.nbytes)}) for "
+          f"({meta['bits_per_element']:.2f} bits/elem, {human_bytes(books.nbytes)}) for "
           f"{model_name(model)} from {used} tokens of {args.text}")
     return 0
 

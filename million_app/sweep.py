@@ -77,7 +77,7 @@ def pq_grid(head_dim: int) -> list[tuple[int, int, str]]:
 def row_of(name: str, r: dict, dense_ppl: float | None) -> dict:
     """A compact table row from an eval result."""
     row = {"name": name, "cache": r["cache"], "label": r["cache_label"],
-           "bits_per_elem": r["bits_per_elem"], "storage_bits_per_elem": r["storage_bits_per_elem"],
+           "bits_per_element": r["bits_per_element"], "storage_bits_per_element": r["storage_bits_per_element"],
            "ppl": r["ppl"], "nll": r["nll"], "tokens": r["tokens"],
            "cache_bytes": r["cache_bytes"], "dense_cache_bytes": r["dense_cache_bytes"],
            "codebook_bytes": r["codebook_bytes"], "eval_seconds": r["seconds"]}
@@ -95,9 +95,9 @@ def markdown_table(rows: list[dict], window: int, dense_dtype: str) -> str:
         delta = "" if r["cache"] == "dense" else f"{r.get('ppl_increase_pct', float('nan')):+.1f}%"
         ratio = r["dense_cache_bytes"] / max(r["cache_bytes"], 1)
         vs = f"{ratio:.2f}x smaller" if ratio >= 1 else f"{1 / ratio:.2f}x larger"
-        bits = f"{r['bits_per_elem']:.2f}"
-        if r["storage_bits_per_elem"] != r["bits_per_elem"]:
-            bits += f" ({r['storage_bits_per_elem']:.0f} stored)"
+        bits = f"{r['bits_per_element']:.2f}"
+        if r["storage_bits_per_element"] != r["bits_per_element"]:
+            bits += f" ({r['storage_bits_per_element']:.0f} stored)"
         books = human_bytes(r["codebook_bytes"]) if r["codebook_bytes"] else "-"
         lines.append(f"| {r['label']} | {bits} | {r['ppl']:.3f} | {delta} | "
                      f"{human_bytes(r['cache_bytes'])} | {vs} | {books} |")
@@ -131,22 +131,22 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                "layer_head": "PQ, per-layer-per-head codebooks",
                "uniform": "uniform (KIVI-style / per-token)"}
     quant = [r for r in rows if r["cache"] != "dense"]
-    text_y = _label_positions([(r["bits_per_elem"], r["ppl"]) for r in quant])
+    text_y = _label_positions([(r["bits_per_element"], r["ppl"]) for r in quant])
     seen = set()
     for r, ty in zip(quant, text_y):
         key = r["granularity"] if r["cache"] == "pq" else "uniform"
         color, marker = styles[key]
-        ax.scatter(r["bits_per_elem"], r["ppl"], color=color, marker=marker, s=40,
+        ax.scatter(r["bits_per_element"], r["ppl"], color=color, marker=marker, s=40,
                    label=None if key in seen else legends[key], zorder=3)
         seen.add(key)
         short = r["label"].replace("uniform ", "").replace(" layer_head", "")
-        ax.annotate(short, (r["bits_per_elem"], r["ppl"]), xytext=(r["bits_per_elem"] + 0.06, ty),
+        ax.annotate(short, (r["bits_per_element"], r["ppl"]), xytext=(r["bits_per_element"] + 0.06, ty),
                     textcoords="data", fontsize=7, va="center",
                     arrowprops=dict(arrowstyle="-", lw=0.4, color="0.6") if ty != r["ppl"] else None)
     for r in rows:
         if r["cache"] == "dense":
             ax.axhline(r["ppl"], color="k", ls="--", lw=1)
-            ax.annotate(f"{r['label']} ({r['bits_per_elem']:.0f} b/elem): {r['ppl']:.3f}",
+            ax.annotate(f"{r['label']} ({r['bits_per_element']:.0f} b/elem): {r['ppl']:.3f}",
                         (0.01, r["ppl"]), xycoords=("axes fraction", "data"), va="top",
                         fontsize=8)
     ax.set_yscale("log")
@@ -155,7 +155,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_yticks([t for t in nice if min(ppls) / 1.1 <= t <= max(ppls) * 1.1] or [min(ppls)])
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(NullFormatter())
-    xs = [r["bits_per_elem"] for r in quant] or [0.0]
+    xs = [r["bits_per_element"] for r in quant] or [0.0]
     ax.set_xlim(min(xs) - 0.3, max(xs) + 0.9)
     ax.set_xlabel("bits per K/V element (codes + scales; PQ codebooks excluded)")
     ax.set_ylabel("perplexity (log scale)")
@@ -210,7 +210,7 @@ def run_sweep(model: Any, calib_text: str, eval_text: str, s: SweepSettings, out
         results["total_seconds"] = time.perf_counter() - t_start
         write_outputs(results, out_dir)
         progress.status(f"[{len(results['rows'])}] {row['label']}: ppl {row['ppl']:.3f}, "
-                        f"{row['bits_per_elem']:.2f} bits/elem")
+                        f"{row['bits_per_element']:.2f} bits/elem")
 
     ev = dict(window=s.window, max_tokens=s.max_tokens, batch=s.batch)
     record("dense", evaluate(model, eval_ids, _spec(s, kind="dense"), **ev))
