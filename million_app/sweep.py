@@ -17,7 +17,6 @@ plot (``ppl_vs_bits.png``) at the end.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import time
@@ -26,15 +25,12 @@ from typing import Any
 from million_app import progress
 from million_app.caches import DTYPES
 from million_jax.cache.spec import CacheSpec
-from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks,
-                                   kmeans_problem_summary, model_fingerprint,
-                                   save_model_codebooks)
+from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks, kmeans_problem_summary,
+                                   model_fingerprint, save_model_codebooks)
 from million_app.corpus import text_hash
-from million_app.errors import UsageError
-from million_app.flags import check_positions, check_positive, load_text
-from million_app.loading import model_name, open_model, tokenize
+from million_app.loading import model_name, tokenize
 from million_app.perplexity import eval_windows, evaluate
-from million_app.report import check_writable, environment, human_bytes, write_json
+from million_app.report import environment, human_bytes, write_json
 
 # (dsub, nbits, granularity)
 PQ_GRID: tuple[tuple[int, int, str], ...] = (
@@ -257,30 +253,3 @@ def write_outputs(results: dict, out_dir: str) -> None:
                 f"k-means {s['iters']} iterations, at most {s['max_vectors']} vectors per "
                 f"problem.\n\n")
         f.write(md)
-
-
-def run_sweep_command(args: argparse.Namespace) -> int:
-    """``million-jax sweep``."""
-    check_positive(calib_tokens=args.calib_tokens, max_tokens=args.max_tokens, window=args.window,
-                   batch=args.batch, iters=args.iters, max_vectors=args.max_vectors)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise UsageError(f"--out {args.out} exists and is not a directory")
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out: cannot create directory {args.out} ({e.strerror or e})") from None
-    check_writable(os.path.join(args.out, "results.json"), "--out")
-    calib = load_text(args.calib, "--calib", args)
-    text = load_text(args.text, "--text", args)
-    model = open_model(args.model)
-    check_positions(model, args.window, f"--window {args.window}")
-    s = SweepSettings(calib=args.calib, text=args.text, calib_tokens=args.calib_tokens,
-                      max_tokens=args.max_tokens, window=args.window, batch=args.batch,
-                      iters=args.iters, max_vectors=args.max_vectors, seed=args.seed,
-                      protocol=args.protocol, recent=args.recent, sinks=args.sinks,
-                      cache_dtype=args.cache_dtype, bos=args.bos)
-    results = run_sweep(model, calib, text, s, args.out, save_codebooks=args.save_codebooks)
-    print(markdown_table(results["rows"], s.window, s.cache_dtype))
-    print(f"wrote {args.out}/results.json, results.md, ppl_vs_bits.png "
-          f"({results['total_seconds'] / 60:.1f} min)")
-    return 0

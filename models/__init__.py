@@ -11,7 +11,7 @@ Pure functions take ``(config, params, ...)`` explicitly::
 from models.config import PRESETS, LlamaConfig, RopeScaling, preset
 from models.errors import CheckpointError, ConfigError, ModelNotInstalledError
 from models.generate import (STOP_CACHE_FULL, STOP_EOS, STOP_MAX_TOKENS, GenerateResult,
-                             generate, sample_logits)
+                             check_sampling, generate, sample_logits)
 from models.llama import (Params, cast_params, decode_step, forward, init_cache, init_params,
                           param_shapes, prefill)
 from models.loading import LoadedModel, load_model, smollm2_gguf_path
@@ -21,7 +21,7 @@ __all__ = [
     "CheckpointError", "ConfigError", "ModelNotInstalledError",
     "Params", "param_shapes", "init_params", "cast_params", "init_cache",
     "forward", "prefill", "decode_step",
-    "generate", "GenerateResult", "sample_logits", "STOP_EOS", "STOP_MAX_TOKENS",
+    "generate", "GenerateResult", "check_sampling", "sample_logits", "STOP_EOS", "STOP_MAX_TOKENS",
     "STOP_CACHE_FULL",
     "LoadedModel", "load_model", "smollm2_gguf_path",
 ]
