@@ -79,7 +79,7 @@ def main() -> None:
 
     def add_row(name: str, books, extra: dict) -> None:
         r = evaluate(model, eval_ids, CacheSpec("pq", codebooks=books, **common), **ev)
-        row = {"recipe": name, "ppl": r["ppl"], "bits_per_elem": r["bits_per_elem"], "eval_seconds": r["seconds"],
+        row = {"recipe": name, "ppl": r["ppl"], "bits_per_element": r["bits_per_element"], "eval_seconds": r["seconds"],
                "calib_error": layer_errors(books, q, k, v, q_pos, window=a.window).sum(1).tolist(),
                "heldout_error": layer_errors(books, hq, hk, hv, hq_pos, window=a.window).sum(1).tolist(),
                **extra}

@@ -67,7 +67,7 @@ def main() -> None:
         depths = [(i + 0.5) / a.trials for i in range(a.trials)]
         plan[length] = [(passkey_prompt(model, length, k, d), k, d) for k, d in zip(keys, depths)]
 
-    d = model.config.head_dim
+    mem = {name: app_caches.memory(spec, model.config, 1, max(lengths)) for name, spec in caches.items()}
     rows = {name: {n: [] for n in lengths} for name in caches}
     for t in range(a.first_trial, a.trials):
         for length in lengths:
@@ -82,8 +82,7 @@ def main() -> None:
                 write_json(os.path.join(a.out, f"{name}.json"), {
                     "lengths": lengths, "model": model_name(model), "trials": a.trials,
                     "seed": a.seed, "first_trial": a.first_trial, "cache": name, "settings": {**app_caches.settings(spec), **sources.get(name, {})},
-                    "bits_per_elem": app_caches.bits_per_elem(spec, d),
-                    "storage_bits_per_elem": app_caches.storage_bits_per_elem(spec, d),
+                    **{k: mem[name][k] for k in ("bits_per_element", "storage_bits_per_element")},
                     "results": [{"length": n, "done": len(rows[name][n]),
                                  "accuracy": (sum(x["correct"] for x in rows[name][n]) / len(rows[name][n])
                                               if rows[name][n] else None),

@@ -24,7 +24,9 @@ def _rows(path: str, name_key: str) -> list[tuple[str, float, float]]:
         rows = json.load(f)["rows"]
     is_dense = lambda r: r.get("recipe", r.get("name")) == "dense"  # noqa: E731
     dense = next(r["ppl"] for r in rows if is_dense(r))
-    return [(r[name_key], r["storage_bits_per_elem"], 100 * (r["ppl"] / dense - 1)) for r in rows if not is_dense(r)]
+    # results committed before the rename to bits_per_element spell it storage_bits_per_elem
+    bits = lambda r: r.get("storage_bits_per_element", r.get("storage_bits_per_elem"))  # noqa: E731
+    return [(r[name_key], bits(r), 100 * (r["ppl"] / dense - 1)) for r in rows if not is_dense(r)]
 
 
 def main() -> None:

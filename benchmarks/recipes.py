@@ -49,7 +49,7 @@ def main() -> None:
         lines = ["| recipe | bits/elem (stored) | ppl | vs dense | fit s |", "|---|---|---|---|---|"]
         for r in res["rows"]:
             vs = f"{100 * (r['ppl'] / dense - 1):+.1f}%" if dense and r["recipe"] != "dense" else ""
-            lines.append(f"| {r['recipe']} | {r['bits_per_elem']:.2f} ({r['storage_bits_per_elem']:.2f}) | "
+            lines.append(f"| {r['recipe']} | {r['bits_per_element']:.2f} ({r['storage_bits_per_element']:.2f}) | "
                          f"{r['ppl']:.3f} | {vs} | {r.get('fit_seconds', 0):.0f} |")
         with open(os.path.join(a.out, "results.md"), "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
@@ -59,7 +59,7 @@ def main() -> None:
     settings = {p: dict(quantize_all=p == "all", window=64, sinks=4) for p in protocols}  # all: no window / sinks
     if not a.no_dense:
         r = evaluate(model, eval_ids, CacheSpec("dense"), **ev)
-        res["rows"].append({"recipe": "dense", **{k: r[k] for k in ("ppl", "bits_per_elem", "storage_bits_per_elem")},
+        res["rows"].append({"recipe": "dense", **{k: r[k] for k in ("ppl", "bits_per_element", "storage_bits_per_element")},
                             "eval_seconds": r["seconds"]})
         save()
     calib_windows = parse_windows(a.calib_window or a.window, "--calib-window")
@@ -86,7 +86,7 @@ def main() -> None:
         for protocol in protocols:
             r = evaluate(model, eval_ids, CacheSpec("pq", codebooks=books, **settings[protocol]), **ev)
             res["rows"].append({"recipe": name if len(protocols) == 1 else f"{name} [{protocol}]",
-                                **{k: r[k] for k in ("ppl", "bits_per_elem", "storage_bits_per_elem", "cache_bytes")},
+                                **{k: r[k] for k in ("ppl", "bits_per_element", "storage_bits_per_element", "cache_bytes")},
                                 "fit_seconds": fit_s, "eval_seconds": r["seconds"], "label": r["cache_label"]})
             save()
             print(res["rows"][-1], flush=True)

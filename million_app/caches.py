@@ -9,19 +9,21 @@ flags into one: :func:`million_app.flags.cache_spec`); this module only reads it
                                      evaluation) or ``realistic`` (``spec.window`` last and
                                      ``spec.sinks`` first tokens kept exact)
     build(spec, config, batch, n)    (empty cache, cache_consts); bad settings are UsageErrors
-    memory(spec, config, batch, n)   the memory accounting every command reports:
+    memory(spec, config, batch, n)   the memory accounting every command reports, read from the
+                                     cache's own ``bits_per_element`` / ``bytes_per_token`` /
+                                     ``nbytes`` (million_jax.cache.base.KVCache):
 
-    bits_per_elem          stored bits per K/V element, every per-token overhead counted:
-                           dense: the dtype's bits (16 for bf16, 32 for fp32);
-                           pq: (Mk * nbits_k + Mv * nbits_v) / (2 d) (the codes' information;
-                           codebooks are counted separately);
-                           uniform: codes + scales + zeros (``UniformCache.bits_per_element``)
-    storage_bits_per_elem  from the bytes the code arrays really hold (codes of nbits < 8 are
-                           packed at their real width, 9..12-bit codes too)
-    cache_bytes            ``cache.nbytes()`` of an empty cache of the shape (the whole
-                           state: codes, exact ring and sinks, staging buffers, lengths)
-    dense_cache_bytes      a DenseCache of the same shape in the requested dtype
-    codebook_bytes         the PQ codebooks (constant, shared by every sequence)
+    bits_per_element          bits of information per K/V element: pq: (Mk * nbits_k + Mv *
+                              nbits_v) / (2 d) (``PQCodebooks.bits_per_element``; codebooks are
+                              counted apart); dense / uniform: as stored
+    storage_bits_per_element  bits the cache stores per K/V element, keys and values averaged
+                              (``cache.bits_per_element``: dense: the dtype's bits; pq: the
+                              codes at their packed width; uniform: codes + scales + zeros)
+    bytes_per_token           ``cache.bytes_per_token()``: all layers and KV heads, K + V
+    cache_bytes               ``cache.nbytes()`` (the whole state: codes, exact ring and sinks,
+                              staging buffers, lengths)
+    dense_cache_bytes         a DenseCache of the same shape in the requested dtype
+    codebook_bytes            the PQ codebooks (constant, shared by every sequence)
 
 A dense bfloat16 cache that cannot run on this backend is built in float32 (and reported so).
 """
@@ -35,10 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from million_app.errors import UsageError
-from million_jax.cache.dense import DenseCache
-from million_jax.cache.pq_cache import PQCache
 from million_jax.cache.spec import CacheSpec, make_cache
-from million_jax.cache.uniform_cache import UniformCache
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -158,47 +157,24 @@ def build(spec: CacheSpec, config: Any, batch: int, max_len: int) -> tuple[Any, 
 
 
 # ---------------------------------------------------------------------------- accounting
-def bits_per_elem(spec: CacheSpec, head_dim: int) -> float:
-    """Stored bits per key/value element (see the module docstring)."""
-    if spec.kind == "dense":
-        return float(jnp.dtype(DTYPES[effective_dtype(spec)]).itemsize * 8)
-    if spec.kind == "pq":
-        return float(spec.codebooks.bits_per_elem)
-    return float(_shape_only(spec, head_dim).bits_per_element.mean)
-
-
-def storage_bits_per_elem(spec: CacheSpec, head_dim: int) -> float:
-    """Bits per element from the bytes the PQ code arrays hold (codes other than 8-bit packed)."""
-    if spec.kind == "pq":
-        b = spec.codebooks
-        lay = jax.eval_shape(lambda: PQCache.create(1, 1, 1, 1, head_dim, M=b.key_M, nbits=b.key_nbits,
-                                                    value_M=b.value_M, value_nbits=b.value_nbits)).layers
-        code_bytes = sum(x.shape[-1] * jnp.dtype(x.dtype).itemsize for x in (lay.k_codes, lay.v_codes))
-        return 8.0 * code_bytes / (2 * head_dim)
-    return bits_per_elem(spec, head_dim)
-
-
-def _shape_only(spec: CacheSpec, head_dim: int) -> UniformCache:
-    g = spec.group_size if spec.uniform_mode == "kivi" else head_dim
-    return jax.eval_shape(lambda: UniformCache.create(
-        1, 1, 1, g, head_dim, bits=spec.bits, group_size=spec.group_size,
-        mode=spec.uniform_mode, dtype=spec.dtype))
-
-
 def memory(spec: CacheSpec, config: Any, batch: int, max_len: int) -> dict[str, Any]:
-    """bits_per_elem, storage_bits_per_elem, cache_bytes, dense_cache_bytes, codebook_bytes."""
-    d = config.head_dim
-    # Shapes only (nothing allocated): nbytes() reads shapes and dtypes.
-    cache_bytes = jax.eval_shape(lambda: build(spec, config, batch, max_len)[0]).nbytes()
-    dense_bytes = jax.eval_shape(lambda: DenseCache.create(
-        config.n_layers, batch, config.n_kv_heads, max_len, d, spec.dtype)).nbytes()
+    """The memory accounting of the module docstring, read from the cache itself.
+
+    The cache ``build`` would make (and a dense one of the same shape) is traced for its shapes
+    only (``jax.eval_shape``: nothing is allocated); its ``bits_per_element``,
+    ``bytes_per_token`` and ``nbytes`` give the numbers.
+    """
+    cache = jax.eval_shape(lambda: build(spec, config, batch, max_len)[0])
+    dense = jax.eval_shape(lambda: make_cache(CacheSpec("dense", dtype=spec.dtype), config, batch, max_len)[0])
+    stored = cache.bits_per_element.mean
     return {
-        "bits_per_elem": bits_per_elem(spec, d),
-        "storage_bits_per_elem": storage_bits_per_elem(spec, d),
-        "cache_bytes": int(cache_bytes),
-        "dense_cache_bytes": int(dense_bytes),
+        "bits_per_element": float(spec.codebooks.bits_per_element) if spec.kind == "pq" else stored,
+        "storage_bits_per_element": stored,
+        "bytes_per_token": cache.bytes_per_token(),
+        "cache_bytes": int(cache.nbytes()),
+        "dense_cache_bytes": int(dense.nbytes()),
         "dense_cache_dtype": dtype_name(spec),
         "codebook_bytes": int(spec.codebooks.nbytes) if spec.kind == "pq" else 0,
         "cache_shape": {"batch": batch, "max_len": max_len, "layers": config.n_layers,
-                        "kv_heads": config.n_kv_heads, "head_dim": d},
+                        "kv_heads": config.n_kv_heads, "head_dim": config.head_dim},
     }

@@ -156,7 +156,7 @@ def codebook_metadata(model: LoadedModel, books: PQCodebooks, *, calib_windows: 
         "query_aware_keys": books.key_transform is not None,
         "output_aware_values": books.value_transform is not None,
         "granularity": books.granularity,
-        "bits_per_elem": books.bits_per_elem,
+        "bits_per_element": books.bits_per_element,
     }
     if calib_windows is not None:
         meta.update(calib_window=max(calib_windows), calib_windows=list(calib_windows))

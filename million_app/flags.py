@@ -1,6 +1,6 @@
 """Flag checks and conversions shared by the subcommands (the leaf helpers of the CLI).
 
-``commands`` and the command modules (demo, sweep, generation, passkey) all import
+The command modules (:mod:`million_app.commands`) and the modules they drive import
 these; this module imports none of them, so the application layer's imports stay a DAG.
 """
 from __future__ import annotations
@@ -17,6 +17,8 @@ from million_app.calibrate import load_model_codebooks
 from million_app.corpus import read_text
 from million_app.errors import UsageError
 from million_jax.cache.spec import CacheSpec
+from million_jax.calibration.fit import check_max_vectors
+from million_jax.quant.pq import check_nbits
 from models import LoadedModel
 
 
@@ -32,12 +34,14 @@ def load_text(spec: str, flag: str, args: argparse.Namespace | None = None) -> s
 
 
 def check_codebook_settings(nbits: int, max_vectors: int) -> None:
-    """UsageError for --nbits outside 1..12 or --max-vectors below its 2**nbits centroids."""
-    if not 1 <= nbits <= 12:
-        raise UsageError(f"--nbits must be in 1..12, got {nbits}")
-    if max_vectors < 2 ** nbits:
-        raise UsageError(f"--max-vectors {max_vectors} is below the 2**{nbits} = {2 ** nbits} "
-                         f"centroids of --nbits {nbits}")
+    """The library's checks of --nbits (:func:`million_jax.quant.pq.check_nbits`) and of
+    --max-vectors against its 2**nbits centroids (:func:`million_jax.calibration.fit.check_max_vectors`),
+    before any model is loaded; their ValueError as a UsageError naming the flags."""
+    try:
+        check_nbits(nbits)
+        check_max_vectors(max_vectors, nbits)
+    except ValueError as e:
+        raise UsageError(f"--nbits {nbits} / --max-vectors {max_vectors}: {e}") from None
 
 
 def check_positions(model: LoadedModel, n: int, what: str) -> None:

@@ -6,8 +6,6 @@ Decode speed excludes the first step, which compiles.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from typing import Any, Sequence, TextIO
 
@@ -17,10 +15,10 @@ import jax.numpy as jnp
 from million_app import progress
 from million_app import caches
 from million_app.errors import UsageError
-from million_app.flags import available_memory, cache_spec, check_positions
-from million_app.loading import model_name, open_model, tokenize
-from million_app.report import check_writable, human_bytes, write_json
+from million_app.flags import available_memory, check_positions
+from million_app.report import human_bytes
 from million_jax.cache.spec import CacheSpec
+import models
 from models import LoadedModel, check_room, decode_step, prefill, sample_logits
 
 CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -34,10 +32,11 @@ def chat_prompt(model: LoadedModel, prompt: str) -> str:
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    """UsageError for sampling settings ``sample_logits`` cannot use."""
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise UsageError(f"bad sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}"
-                         " (need temperature >= 0, top_k >= 0, 0 < top_p <= 1)")
+    """:func:`models.check_sampling`, its ValueError as a UsageError (one ``error:`` line)."""
+    try:
+        models.check_sampling(temperature, top_k, top_p)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_fits(model: LoadedModel, spec: CacheSpec, prompt_tokens: int, max_new_tokens: int) -> int:
@@ -152,41 +151,3 @@ def size_note(spec: CacheSpec, model: LoadedModel, r: dict[str, Any]) -> str | N
         even = n1 + (r["cache_bytes"] - r["dense_cache_bytes"]) / saved_per_token
         msg += f"; it is smaller than dense from about {int(even) + 1} positions on"
     return msg + ")"
-
-
-def run_generate_command(args: argparse.Namespace) -> int:
-    """``million-jax generate``."""
-    if args.json:
-        check_writable(args.json, "--json")
-    model = open_model(args.model)
-    spec, source = cache_spec(args, model)
-    prompt = chat_prompt(model, args.prompt) if args.chat else args.prompt
-    ids = tokenize(model, prompt)
-    if not ids:
-        raise UsageError("the prompt is empty")
-    check_sampling(args.temperature, args.top_k, args.top_p)
-    check_fits(model, spec, len(ids), args.max_new_tokens)
-    if note := caches.beyond_calibration(spec, len(ids) + args.max_new_tokens, source.get("calib_window"),
-                                         source.get("codebooks")):
-        progress.warn(note)
-    progress.status(f"{model_name(model)}, {caches.label(spec)}, prompt {len(ids)} tokens")
-    if not args.chat:
-        sys.stdout.write(args.prompt)
-    r = stream_generate(model, ids, spec, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        seed=args.seed, out=sys.stdout)
-    tps = r["decode_tokens_per_s"]
-    speed = f"{tps:.1f} tokens/s" if tps else "n/a (too few tokens to time)"
-    print(f"[{r['new_tokens']} tokens, stop: {r['stop']}; prefill {r['prompt_tokens']} tokens in "
-          f"{r['prefill_s']:.2f} s; decode {speed} (first step, which compiles, excluded); "
-          f"{caches.label(spec)} cache {human_bytes(r['cache_bytes'])} for {r['cache_shape']['max_len']} "
-          f"positions vs dense {r['dense_cache_dtype']} {human_bytes(r['dense_cache_bytes'])}]")
-    note = size_note(spec, model, r)
-    if note:
-        print(note)
-    if args.json:
-        r.update(source)
-        r["model"] = model_name(model)
-        r["prompt"] = args.prompt
-        write_json(args.json, r)
-    return 0

@@ -9,7 +9,6 @@ tokens (the exact count is reported).
 """
 from __future__ import annotations
 
-import argparse
 import re
 from typing import Any, Sequence
 
@@ -19,9 +18,7 @@ import numpy as np
 from million_app import progress
 from million_app import caches
 from million_app.errors import UsageError
-from million_app.flags import cache_spec, check_positive
-from million_app.loading import model_name, open_model, tokenize
-from million_app.report import check_writable, write_json
+from million_app.loading import tokenize
 from million_jax.cache.spec import CacheSpec
 from models import LoadedModel, generate
 
@@ -110,31 +107,3 @@ def parse_lengths(text: str, max_len: int) -> list[int]:
             raise UsageError(f"--lengths {n}: must be in [64, {max_len}] (the model's "
                              "max_position_embeddings)")
     return lengths
-
-
-def run_passkey_command(args: argparse.Namespace) -> int:
-    """``million-jax passkey``."""
-    check_positive(trials=args.trials, batch=args.batch)
-    if args.json:
-        check_writable(args.json, "--json")
-    model = open_model(args.model)
-    spec, source = cache_spec(args, model)
-    lengths = parse_lengths(args.lengths, model.config.max_position_embeddings)
-    if note := caches.beyond_calibration(spec, max(lengths), source.get("calib_window"), source.get("codebooks")):
-        progress.warn(note)
-    specs = [CacheSpec("dense", dtype=spec.dtype)]
-    if spec.kind != "dense":
-        specs.append(spec)
-    r = passkey_eval(model, specs, lengths, trials=args.trials, seed=args.seed, batch=args.batch)
-    labels = [caches.label(s) for s in specs]
-    print("| length | " + " | ".join(labels) + " |")
-    print("|---|" + "---|" * len(labels))
-    for i, n in enumerate(lengths):
-        accs = [f"{r['results'][lab][i]['accuracy']:.0%}" for lab in labels]
-        print(f"| {n} | " + " | ".join(accs) + " |")
-    if args.json:
-        r.update(model=model_name(model), trials=args.trials, seed=args.seed,
-                 caches={caches.label(s): {**caches.settings(s), **(source if s is spec else {})}
-                         for s in specs})
-        write_json(args.json, r)
-    return 0

@@ -74,7 +74,7 @@ class Recipe:
         return FinetuneSettings(steps=self.finetune_steps, reassign_every=self.finetune_reassign)
 
     @property
-    def bits_per_elem(self) -> float:
+    def bits_per_element(self) -> float:
         return self.stages * (self.key_nbits / self.key_dsub + self.value_nbits / self.value_dsub) / 2
 
     def budgets(self, head_dim: int) -> dict[str, int]:

@@ -120,10 +120,10 @@ def environment() -> dict[str, Any]:
 def memory_line(r: dict) -> str:
     """'4.00 bits/elem; cache 1.5 MiB vs dense bfloat16 6.0 MiB (4.00x smaller)' from an eval dict."""
     if r.get("cache") == "dense":
-        line = f"{r['bits_per_elem']:.0f} bits/elem; cache {human_bytes(r['cache_bytes'])}"
+        line = f"{r['bits_per_element']:.0f} bits/elem; cache {human_bytes(r['cache_bytes'])}"
         return line + (f" ({r['note']})" if r.get("note") else "")
     ratio = r["dense_cache_bytes"] / max(r["cache_bytes"], 1)
-    line = (f"{r['bits_per_elem']:.2f} bits/elem; cache {human_bytes(r['cache_bytes'])} vs "
+    line = (f"{r['bits_per_element']:.2f} bits/elem; cache {human_bytes(r['cache_bytes'])} vs "
             f"dense {r['dense_cache_dtype']} {human_bytes(r['dense_cache_bytes'])} "
             f"({ratio:.2f}x smaller)")
     if r.get("codebook_bytes"):

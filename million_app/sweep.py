@@ -17,7 +17,6 @@ plot (``ppl_vs_bits.png``) at the end.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import time
@@ -26,15 +25,12 @@ from typing import Any
 from million_app import progress
 from million_app.caches import DTYPES
 from million_jax.cache.spec import CacheSpec
-from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks,
-                                   kmeans_problem_summary, model_fingerprint,
-                                   save_model_codebooks)
+from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_codebooks, kmeans_problem_summary,
+                                   model_fingerprint, save_model_codebooks)
 from million_app.corpus import text_hash
-from million_app.errors import UsageError
-from million_app.flags import check_positions, check_positive, load_text
-from million_app.loading import model_name, open_model, tokenize
+from million_app.loading import model_name, tokenize
 from million_app.perplexity import eval_windows, evaluate
-from million_app.report import check_writable, environment, human_bytes, write_json
+from million_app.report import environment, human_bytes, write_json
 
 # (dsub, nbits, granularity)
 PQ_GRID: tuple[tuple[int, int, str], ...] = (
@@ -77,7 +73,7 @@ def pq_grid(head_dim: int) -> list[tuple[int, int, str]]:
 def row_of(name: str, r: dict, dense_ppl: float | None) -> dict:
     """A compact table row from an eval result."""
     row = {"name": name, "cache": r["cache"], "label": r["cache_label"],
-           "bits_per_elem": r["bits_per_elem"], "storage_bits_per_elem": r["storage_bits_per_elem"],
+           "bits_per_element": r["bits_per_element"], "storage_bits_per_element": r["storage_bits_per_element"],
            "ppl": r["ppl"], "nll": r["nll"], "tokens": r["tokens"],
            "cache_bytes": r["cache_bytes"], "dense_cache_bytes": r["dense_cache_bytes"],
            "codebook_bytes": r["codebook_bytes"], "eval_seconds": r["seconds"]}
@@ -95,9 +91,9 @@ def markdown_table(rows: list[dict], window: int, dense_dtype: str) -> str:
         delta = "" if r["cache"] == "dense" else f"{r.get('ppl_increase_pct', float('nan')):+.1f}%"
         ratio = r["dense_cache_bytes"] / max(r["cache_bytes"], 1)
         vs = f"{ratio:.2f}x smaller" if ratio >= 1 else f"{1 / ratio:.2f}x larger"
-        bits = f"{r['bits_per_elem']:.2f}"
-        if r["storage_bits_per_elem"] != r["bits_per_elem"]:
-            bits += f" ({r['storage_bits_per_elem']:.0f} stored)"
+        bits = f"{r['bits_per_element']:.2f}"
+        if r["storage_bits_per_element"] != r["bits_per_element"]:
+            bits += f" ({r['storage_bits_per_element']:.0f} stored)"
         books = human_bytes(r["codebook_bytes"]) if r["codebook_bytes"] else "-"
         lines.append(f"| {r['label']} | {bits} | {r['ppl']:.3f} | {delta} | "
                      f"{human_bytes(r['cache_bytes'])} | {vs} | {books} |")
@@ -131,22 +127,22 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                "layer_head": "PQ, per-layer-per-head codebooks",
                "uniform": "uniform (KIVI-style / per-token)"}
     quant = [r for r in rows if r["cache"] != "dense"]
-    text_y = _label_positions([(r["bits_per_elem"], r["ppl"]) for r in quant])
+    text_y = _label_positions([(r["bits_per_element"], r["ppl"]) for r in quant])
     seen = set()
     for r, ty in zip(quant, text_y):
         key = r["granularity"] if r["cache"] == "pq" else "uniform"
         color, marker = styles[key]
-        ax.scatter(r["bits_per_elem"], r["ppl"], color=color, marker=marker, s=40,
+        ax.scatter(r["bits_per_element"], r["ppl"], color=color, marker=marker, s=40,
                    label=None if key in seen else legends[key], zorder=3)
         seen.add(key)
         short = r["label"].replace("uniform ", "").replace(" layer_head", "")
-        ax.annotate(short, (r["bits_per_elem"], r["ppl"]), xytext=(r["bits_per_elem"] + 0.06, ty),
+        ax.annotate(short, (r["bits_per_element"], r["ppl"]), xytext=(r["bits_per_element"] + 0.06, ty),
                     textcoords="data", fontsize=7, va="center",
                     arrowprops=dict(arrowstyle="-", lw=0.4, color="0.6") if ty != r["ppl"] else None)
     for r in rows:
         if r["cache"] == "dense":
             ax.axhline(r["ppl"], color="k", ls="--", lw=1)
-            ax.annotate(f"{r['label']} ({r['bits_per_elem']:.0f} b/elem): {r['ppl']:.3f}",
+            ax.annotate(f"{r['label']} ({r['bits_per_element']:.0f} b/elem): {r['ppl']:.3f}",
                         (0.01, r["ppl"]), xycoords=("axes fraction", "data"), va="top",
                         fontsize=8)
     ax.set_yscale("log")
@@ -155,7 +151,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_yticks([t for t in nice if min(ppls) / 1.1 <= t <= max(ppls) * 1.1] or [min(ppls)])
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(NullFormatter())
-    xs = [r["bits_per_elem"] for r in quant] or [0.0]
+    xs = [r["bits_per_element"] for r in quant] or [0.0]
     ax.set_xlim(min(xs) - 0.3, max(xs) + 0.9)
     ax.set_xlabel("bits per K/V element (codes + scales; PQ codebooks excluded)")
     ax.set_ylabel("perplexity (log scale)")
@@ -210,7 +206,7 @@ def run_sweep(model: Any, calib_text: str, eval_text: str, s: SweepSettings, out
         results["total_seconds"] = time.perf_counter() - t_start
         write_outputs(results, out_dir)
         progress.status(f"[{len(results['rows'])}] {row['label']}: ppl {row['ppl']:.3f}, "
-                        f"{row['bits_per_elem']:.2f} bits/elem")
+                        f"{row['bits_per_element']:.2f} bits/elem")
 
     ev = dict(window=s.window, max_tokens=s.max_tokens, batch=s.batch)
     record("dense", evaluate(model, eval_ids, _spec(s, kind="dense"), **ev))
@@ -257,30 +253,3 @@ def write_outputs(results: dict, out_dir: str) -> None:
                 f"k-means {s['iters']} iterations, at most {s['max_vectors']} vectors per "
                 f"problem.\n\n")
         f.write(md)
-
-
-def run_sweep_command(args: argparse.Namespace) -> int:
-    """``million-jax sweep``."""
-    check_positive(calib_tokens=args.calib_tokens, max_tokens=args.max_tokens, window=args.window,
-                   batch=args.batch, iters=args.iters, max_vectors=args.max_vectors)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise UsageError(f"--out {args.out} exists and is not a directory")
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out: cannot create directory {args.out} ({e.strerror or e})") from None
-    check_writable(os.path.join(args.out, "results.json"), "--out")
-    calib = load_text(args.calib, "--calib", args)
-    text = load_text(args.text, "--text", args)
-    model = open_model(args.model)
-    check_positions(model, args.window, f"--window {args.window}")
-    s = SweepSettings(calib=args.calib, text=args.text, calib_tokens=args.calib_tokens,
-                      max_tokens=args.max_tokens, window=args.window, batch=args.batch,
-                      iters=args.iters, max_vectors=args.max_vectors, seed=args.seed,
-                      protocol=args.protocol, recent=args.recent, sinks=args.sinks,
-                      cache_dtype=args.cache_dtype, bos=args.bos)
-    results = run_sweep(model, calib, text, s, args.out, save_codebooks=args.save_codebooks)
-    print(markdown_table(results["rows"], s.window, s.cache_dtype))
-    print(f"wrote {args.out}/results.json, results.md, ppl_vs_bits.png "
-          f"({results['total_seconds'] / 60:.1f} min)")
-    return 0

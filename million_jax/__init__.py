@@ -19,7 +19,6 @@ from million_jax.quant.pq import (
     encode,
     fit_codebooks,
     reconstruction_mse,
-    storage_bits_per_element,
 )
 from million_jax.quant.kv_codebooks import GRANULARITIES, PQCodebooks
 from million_jax.cache import (CacheOverflowError, DenseCache, DenseLayer, KVCache, LayerState, PQCache, PQLayer, UniformCache,
@@ -59,5 +58,4 @@ __all__ = [
     "pq_code_attention",
     "reconstruction_mse",
     "save_codebooks",
-    "storage_bits_per_element",
 ]

@@ -12,7 +12,7 @@ jitted with the cache donated, and ``check_room`` is the host's overflow check b
 from models.config import PRESETS, LlamaConfig, RopeScaling, preset
 from models.errors import CheckpointError, ConfigError, ModelNotInstalledError
 from models.generate import (STOP_CACHE_FULL, STOP_EOS, STOP_MAX_TOKENS, GenerateResult,
-                             generate, sample_logits)
+                             check_sampling, generate, sample_logits)
 from models.llama import (Params, cast_params, check_room, decode_step, forward, init_cache,
                           init_params, param_shapes, prefill)
 from models.loading import LoadedModel, load_model, smollm2_gguf_path
@@ -22,7 +22,7 @@ __all__ = [
     "CheckpointError", "ConfigError", "ModelNotInstalledError",
     "Params", "param_shapes", "init_params", "cast_params", "init_cache",
     "forward", "prefill", "decode_step", "check_room",
-    "generate", "GenerateResult", "sample_logits", "STOP_EOS", "STOP_MAX_TOKENS",
+    "generate", "GenerateResult", "check_sampling", "sample_logits", "STOP_EOS", "STOP_MAX_TOKENS",
     "STOP_CACHE_FULL",
     "LoadedModel", "load_model", "smollm2_gguf_path",
 ]

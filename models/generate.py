@@ -67,6 +67,13 @@ class GenerateResult:
         return [list(map(int, toks[b, : int(n[b])])) for b in range(toks.shape[0])]
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """ValueError for sampling settings :func:`sample_logits` / :func:`generate` cannot use."""
+    if temperature < 0 or not 0.0 < top_p <= 1.0 or top_k < 0:
+        raise ValueError(f"bad sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p} "
+                         "(need temperature >= 0, top_k >= 0, 0 < top_p <= 1)")
+
+
 def sample_logits(logits: jax.Array, key: jax.Array, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0) -> jax.Array:
     """Pick one token per row of logits f32[B, V] -> int32[B].
@@ -185,9 +192,7 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
                              f"got {lens.tolist()}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0 or not 0.0 < top_p <= 1.0 or top_k < 0:
-        raise ValueError(f"bad sampling settings: temperature={temperature}, top_k={top_k}, "
-                         f"top_p={top_p}")
+    check_sampling(temperature, top_k, top_p)
     if key is None:
         if temperature != 0.0:
             raise ValueError("a PRNG key is required when temperature > 0")

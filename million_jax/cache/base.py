@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from million_jax.attention.layer_slice import LayerSlice
+from million_jax.quant.uniform import KVBits
 
 PyTree = Any
 # field name -> (rows int32[B, R], vals [B, R, Hkv, ...]) scattered, or a whole new value
@@ -79,6 +80,11 @@ class LayerState(abc.ABC):
     @abc.abstractmethod
     def max_len(self) -> int:
         """T_max: positions the cache holds per sequence (valid stacked, per layer or viewed)."""
+
+    @property
+    @abc.abstractmethod
+    def head_dim(self) -> int:
+        """d: the dimension of the key / value vectors the cache stores."""
 
     @abc.abstractmethod
     def attend(
@@ -140,6 +146,28 @@ class KVCache:
     @property
     def batch(self) -> int:
         return self.lengths.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.layers, self.layers.TOKEN_FIELDS[0]).shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers.head_dim
+
+    @property
+    def bits_per_element(self) -> KVBits:
+        """Stored bits per key / value element: what the arrays with a token axis hold per
+        token (codes and their per-token statistics), divided by the d elements of a key / value.
+        Fixed-size parts (exact sinks and window, staging buffers, lengths) are not per token
+        and not counted; :meth:`nbytes` counts everything."""
+        raise NotImplementedError(f"{type(self).__name__} does not count its bits per element")
+
+    def bytes_per_token(self) -> float:
+        """Bytes one more token of capacity costs: keys + values of every layer and KV head
+        (:attr:`bits_per_element`; the token-axis arrays' bytes / T_max)."""
+        bits = self.bits_per_element
+        return self.num_layers * self.num_kv_heads * self.head_dim * (bits.key + bits.value) / 8
 
     def layer_consts(self, cache_consts: PyTree = None) -> PyTree:
         """The constants scanned with ``layers`` (leading L axis), checked against this cache.

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from million_jax.attention.exact import new_token_attention, tiled_dense_attention
 from million_jax.cache.base import (CACHE_DIMS, KVCache, LayerState, Writes, check_cache_args, kept_tokens,
                                     register_cache, token_rows)
+from million_jax.quant.uniform import KVBits
 from pallas_kernels.softmax import merge_partials
 
 __all__ = ["DenseCache", "DenseLayer"]
@@ -41,6 +42,15 @@ class DenseLayer(LayerState):
     @property
     def max_len(self) -> int:
         return self.k.shape[-2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[-1]
+
+    @property
+    def bits_per_element(self) -> KVBits:
+        """The dtype's bits for keys and values (16 for bf16, 32 for fp32)."""
+        return KVBits(*(8.0 * jnp.dtype(x.dtype).itemsize for x in (self.k, self.v)))
 
     def attend(self, consts: Any, q: jax.Array, k: jax.Array, v: jax.Array,
                lengths: jax.Array, n_new: jax.Array) -> tuple[jax.Array, Writes]:
@@ -71,6 +81,10 @@ class DenseCache(KVCache):
 
     layers: DenseLayer
     lengths: jax.Array
+
+    @property
+    def bits_per_element(self) -> KVBits:
+        return self.layers.bits_per_element
 
     @classmethod
     def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,

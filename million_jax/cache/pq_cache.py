@@ -61,6 +61,7 @@ from million_jax.quant.kv_transforms import apply_head_transform
 from million_jax.quant.pq import Codebooks, code_dtype
 from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.quant.residual_pq import check_stages, encode_stages, fold_output, tile_query
+from million_jax.quant.uniform import KVBits
 from pallas_kernels.pq_math import gather_centroids
 from pallas_kernels.pq_math import rope_cos_sin as code_rope_cos_sin
 from pallas_kernels.softmax import merge_partials
@@ -175,6 +176,15 @@ class PQCache(ExactWindowCache):
 
     layers: PQLayer
     lengths: jax.Array
+
+    @property
+    def bits_per_element(self) -> KVBits:
+        """Bits the stored codes take per key / value element: 8 * the code array's bytes per
+        token / d (codes packed at their real width: ceil(M * nbits / 8) bytes; unpacked: M
+        uint8 / uint16). The codebooks are constants, not counted (``PQCodebooks.nbytes``)."""
+        d = self.head_dim
+        return KVBits(*(8.0 * x.shape[-1] * jnp.dtype(x.dtype).itemsize / d
+                        for x in (self.layers.k_codes, self.layers.v_codes)))
 
     @classmethod
     def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, *,

@@ -299,11 +299,6 @@ class UniformCache(ExactWindowCache):
         gs = lay.group_size if lay.kivi else self.head_dim
         return bits_per_element(lay.mode, lay.bits, gs, self.head_dim, lay.ring_k.dtype)
 
-    def bytes_per_token(self) -> float:
-        """Bytes per token over all layers and KV heads of keys + values (codes + stats)."""
-        L, _, hkv = self.layers.k_codes.shape[:3]
-        return L * hkv * self.head_dim * (self.bits_per_element.key + self.bits_per_element.value) / 8
-
     def dequantize(self) -> tuple[jax.Array, jax.Array]:
         """(k_hat, v_hat) float32[L, B, Hkv, T_max, d] as stored in codes (rows >= lengths zeroed).
 

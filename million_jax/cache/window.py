@@ -44,6 +44,10 @@ class ExactWindowLayer(LayerState):
         return self.k_codes.shape[-2]
 
     @property
+    def head_dim(self) -> int:
+        return self.ring_k.shape[-1]
+
+    @property
     def window(self) -> int:
         return self.ring_k.shape[-2]
 
@@ -92,10 +96,6 @@ class ExactWindowCache(KVCache):
     @property
     def sinks(self) -> int:
         return self.layers.sinks
-
-    @property
-    def head_dim(self) -> int:
-        return self.layers.ring_k.shape[-1]
 
 
 def empty_window(lead: tuple[int, ...], sinks: int, window: int, head_dim: int, dtype: Any) -> dict[str, jax.Array]:

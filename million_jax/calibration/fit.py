@@ -33,7 +33,7 @@ from million_jax.quant.pq import Codebooks, check_nbits, check_subspaces, fit_co
 from million_jax.quant.kv_codebooks import GRANULARITIES, PQCodebooks, check_pre_rope_keys
 from million_jax.quant.residual_pq import check_stage_count, fit_stages
 
-__all__ = ["collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_in_chunks", "DEFAULT_MAX_VECTORS",
+__all__ = ["check_max_vectors", "collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_in_chunks", "DEFAULT_MAX_VECTORS",
            "GROUPS_PER_FIT"]
 
 DEFAULT_MAX_VECTORS = 65536
@@ -172,8 +172,7 @@ def fit_kv_codebooks(
         if not np.isfinite(arr).all():
             raise ValueError(f"fit_kv_codebooks: calibration {name} contain NaN/Inf")
     for nb in (nbits, value_nbits):
-        if max_vectors < 2**nb:
-            raise ValueError(f"max_vectors={max_vectors} is below the K=2**{nb}={2**nb} centroids")
+        check_max_vectors(max_vectors, nb)
     if rope_inv_freq is not None:
         check_pre_rope_keys(keys.shape[-1], M, key_transform is not None)
         keys = rope.to_pair_layout(keys)
@@ -212,6 +211,12 @@ def fit_kv_codebooks(
                                        stages=stages)
     books = books.with_transforms(key_transform, value_transform)
     return books if rope_inv_freq is None else books.with_pre_rope_keys(rope_inv_freq)
+
+
+def check_max_vectors(max_vectors: int, nbits: int) -> None:
+    """ValueError when ``max_vectors`` (vectors sampled per k-means problem) is below K = 2**nbits."""
+    if max_vectors < 2**nbits:
+        raise ValueError(f"max_vectors={max_vectors} is below the K=2**{nbits}={2**nbits} centroids")
 
 
 def chunk_groups(g: int, groups_per_fit: int) -> int:

@@ -212,7 +212,7 @@ class PQCodebooks:
         return self.key_nbits
 
     @property
-    def bits_per_elem(self) -> float:
+    def bits_per_element(self) -> float:
         """Bits of information per key/value element, keys and values together."""
         return (self.key_M * self.key_nbits + self.value_M * self.value_nbits) / (2 * self.head_dim)
 

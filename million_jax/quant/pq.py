@@ -47,21 +47,15 @@ def check_subspaces(d: int, M: int) -> None:
 
 
 def bits_per_element(d: int, M: int, nbits: int) -> float:
-    """Stored bits per vector element: M codes of nbits bits for d elements.
+    """Bits of information per vector element: M codes of nbits bits for d elements.
 
-    This counts the bits of information; codes are stored in uint8/uint16, so
-    the storage cost is ``M * code_dtype(nbits).itemsize * 8 / d`` (equal for
-    nbits 8 and 16; see :func:`storage_bits_per_element`).
+    What a cache really stores per element is its ``bits_per_element`` (``PQCache`` packs codes
+    at their real width, ``pallas_kernels.code_packing.stored_width``, so the two differ only
+    when M * nbits is not a whole number of bytes, or for unpacked codes).
     """
     check_subspaces(d, M)
     check_nbits(nbits)
     return M * nbits / d
-
-
-def storage_bits_per_element(d: int, M: int, nbits: int) -> float:
-    """Bits per element as actually stored (codes padded to uint8/uint16)."""
-    check_subspaces(d, M)
-    return M * code_dtype(nbits).itemsize * 8 / d
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["centroids"], meta_fields=[])

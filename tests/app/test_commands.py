@@ -27,9 +27,9 @@ def test_sweep_writes_table_json_and_plot(cli, tiny_dir, tmp_path):
     rows = {row["name"]: row for row in r["rows"]}
     assert rows["dense"]["cache"] == "dense" and list(rows)[0] == "dense"
     pq = [row for row in r["rows"] if row["cache"] == "pq"]
-    assert {row["granularity"] for row in pq if row["bits_per_elem"] == 4.0} == {
+    assert {row["granularity"] for row in pq if row["bits_per_element"] == 4.0} == {
         "shared", "layer", "layer_head"}
-    assert {2.0, 3.0, 4.0} <= {row["bits_per_elem"] for row in pq}
+    assert {2.0, 3.0, 4.0} <= {row["bits_per_element"] for row in pq}
     assert {"uniform-kivi-int2", "uniform-kivi-int4", "uniform-token-int4"} <= set(rows)
     for row in r["rows"]:
         assert np.isfinite(row["ppl"]) and row["tokens"] == 2 * 127
@@ -124,7 +124,7 @@ def test_demo_on_tiny_model(cli, tiny_dir, tmp_path, monkeypatch):
     assert res.rc == 0, res.err
     r = json.loads(out.read_text())
     assert r["dense"]["tokens"] == r["pq"]["tokens"] == 2 * 127
-    assert r["pq"]["bits_per_elem"] == 8 * 4 / 16
+    assert r["pq"]["bits_per_element"] == 8 * 4 / 16
     assert r["memory_long_context"]["cache_bytes"] < r["memory_long_context"]["dense_cache_bytes"]
     assert r["memory_eval_window"]["cache_bytes"] == r["pq"]["cache_bytes"]
     for needle in ("perplexity over", "lower is better", "dense cache", "PQ cache",

@@ -40,7 +40,7 @@ def test_calibrate_writes_codebooks_with_metadata(codebooks, tiny):
     assert meta["calib_tokens"] == 1024 and meta["calib_window"] == 256
     assert meta["calib_text"] == "builtin:calib"
     assert meta["calib_text_hash"] == text_hash(read_text("builtin:calib"))
-    assert meta["bits_per_elem"] == 3.0 and meta["iters"] == 3
+    assert meta["bits_per_element"] == 3.0 and meta["iters"] == 3
 
 
 def test_dense_nll_matches_hand_computation(cli, tiny_dir, tiny, tmp_path):
@@ -56,7 +56,7 @@ def test_dense_nll_matches_hand_computation(cli, tiny_dir, tiny, tmp_path):
     np.testing.assert_allclose(r["nll"], nll, rtol=2e-5)
     np.testing.assert_allclose(r["ppl"], np.exp(nll), rtol=2e-5)
     assert r["text_tokens"] == len(ids) and r["bos"] is False
-    assert r["bits_per_elem"] == 32 and r["cache"] == "dense"
+    assert r["bits_per_element"] == 32 and r["cache"] == "dense"
     # DenseCache for one 64-token window: 2 (K, V) * L * Hkv * T * d * 4 bytes + lengths
     assert r["cache_bytes"] == 2 * 2 * 2 * 64 * 16 * 4 + 4
     assert "ppl" in res.out
@@ -91,7 +91,7 @@ def test_pq_all_vs_realistic(cli, tiny_dir, codebooks, tmp_path):
     r = runs["all"]
     assert (r["protocol"], r["M"], r["nbits"], r["granularity"]) == ("all", 8, 6, "layer_head")
     # 6-bit codes are packed: 8 codes in 6 bytes, so the stored bits are the real ones
-    assert r["bits_per_elem"] == 8 * 6 / 16 and r["storage_bits_per_elem"] == 3.0
+    assert r["bits_per_element"] == 8 * 6 / 16 and r["storage_bits_per_element"] == 3.0
     # codes only: 2 (K, V) * L * Hkv * T * (8 * 6 / 8 bytes) + lengths; dense float32 for comparison
     assert r["cache_bytes"] == 2 * 2 * 2 * 64 * 6 + 4
     assert r["dense_cache_bytes"] == 2 * 2 * 2 * 64 * 16 * 4 + 4
@@ -107,7 +107,7 @@ def test_uniform_bits_and_protocol(cli, tiny_dir, tmp_path):
     assert res.rc == 0, res.err
     r = json.loads(out.read_text())
     # int4 codes + a bf16 scale and zero per group of 16: 4 + 2 * 16 / 16 = 6 bits
-    assert r["bits_per_elem"] == 6.0 and r["uniform_mode"] == "kivi" and r["group_size"] == 16
+    assert r["bits_per_element"] == 6.0 and r["uniform_mode"] == "kivi" and r["group_size"] == 16
     assert r["cache_dtype"] == "bfloat16" and r["dense_cache_dtype"] == "bfloat16"
     assert r["dense_cache_bytes"] == 2 * 2 * 2 * 64 * 16 * 2 + 4
     assert r["cache_bytes"] < r["dense_cache_bytes"]

@@ -18,7 +18,7 @@ def test_calibrate_bits_writes_the_recipe(cli, tiny_dir, tiny, tmp_path):
     recipe = RECIPES[BEST_FOR_BITS[2]]
     _, meta = load_codebooks(path)
     d = tiny.config.head_dim
-    assert meta["recipe"] == recipe.name and meta["bits_per_elem"] == recipe.bits_per_elem == 2.0
+    assert meta["recipe"] == recipe.name and meta["bits_per_element"] == recipe.bits_per_element == 2.0
     assert (meta["key_M"], meta["key_nbits"], meta["value_M"], meta["value_nbits"]) == (
         recipe.stages * d // recipe.key_dsub, recipe.key_nbits, recipe.stages * d // recipe.value_dsub,
         recipe.value_nbits)

@@ -155,7 +155,7 @@ def test_ctrl_c_returns_while_the_work_is_stuck_in_c(cli, monkeypatch):
     import ctypes
     import threading
 
-    from million_app import commands
+    from million_app.commands import REGISTRY
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals reach only the main thread")
@@ -175,7 +175,7 @@ def test_ctrl_c_returns_while_the_work_is_stuck_in_c(cli, monkeypatch):
         finished.set()
         return 0
 
-    monkeypatch.setattr(commands, "cmd_eval", stuck_command)
+    monkeypatch.setattr(REGISTRY["eval"], "run", stuck_command)
     # Python's own Ctrl-C handler, even when this test run was started with SIGINT ignored
     # (``cmd &`` without job control); restored afterwards
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -199,8 +199,8 @@ def test_ctrl_c_returns_while_the_work_is_stuck_in_c(cli, monkeypatch):
     (("generate", "--prompt", "hi", "--top-p", 0), "bad sampling settings"),
     (("eval", "--text", "/"), "is a directory"),
     (("calibrate", "--text", "builtin:calib", "--max-vectors", 10, "--out", "{tmp}/b.st"),
-     "below the 2**8"),
-    (("demo", "--nbits", 13), "--nbits must be in 1..12"),
+     "below the K=2**8"),
+    (("demo", "--nbits", 13), "--nbits 13 / --max-vectors 4096: nbits must be an int in [1, 12]"),
 ])
 def test_more_bad_flags_refused_before_any_output(error_line, cli, tiny_dir, tmp_path, argv, needle):
     argv = [str(a).replace("{tmp}", str(tmp_path)) for a in argv]

@@ -11,7 +11,6 @@ from million_jax.quant.pq import (
     encode,
     fit_codebooks,
     reconstruction_mse,
-    storage_bits_per_element,
 )
 
 
@@ -49,7 +48,6 @@ def test_uint16_for_wide_codes_and_bits_accounting():
     assert code_dtype(8) == np.uint8 and code_dtype(9) == np.uint16 and code_dtype(12) == np.uint16
     assert bits_per_element(128, 64, 8) == 4.0
     assert bits_per_element(128, 32, 12) == 3.0
-    assert storage_bits_per_element(128, 32, 12) == 4.0
     x = _data(0, (1200, 4))
     cb = fit_codebooks(x, 2, 10, key=jax.random.PRNGKey(0), iters=2)
     codes = encode(cb, x)

@@ -142,7 +142,7 @@ def test_fit_kv_codebooks_stages_and_file_roundtrip(tmp_path):
     k = rng.normal(size=(2, HKV, 600, D)).astype(np.float32)
     v = rng.normal(size=(2, HKV, 600, D)).astype(np.float32)
     books = fit_kv_codebooks(k, v, M=2, nbits=4, key=jax.random.PRNGKey(0), iters=3, stages=2, max_vectors=256)
-    assert (books.stages, books.key_M, books.head_dim, books.bits_per_elem) == (2, 4, D, 2.0)
+    assert (books.stages, books.key_M, books.head_dim, books.bits_per_element) == (2, 4, D, 2.0)
     assert books.recipe == "K4x4 V4x4 r2"
     path = tmp_path / "r2.safetensors"
     save_kv_codebooks(path, books)

@@ -1,26 +1,54 @@
-"""The subcommands behind ``million-jax`` (argparse namespaces in, exit status out)."""
+"""``million-jax calibrate``: fit K/V codebooks on calibration text and save them with metadata."""
 from __future__ import annotations
 
 import argparse
 
 from million_app import progress
 from million_app.calibrate import (calibration_kvq, calibration_kvq_samples, codebook_metadata,
-                                   default_calibration_windows, fit_model_codebooks, parse_windows,
-                                   kmeans_problem_summary, model_fingerprint,
-                                   save_model_codebooks)
-from million_app import caches
+                                   default_calibration_windows, fit_model_codebooks, kmeans_problem_summary,
+                                   parse_windows, save_model_codebooks)
+from million_app.commands.flag_groups import TEXT_HELP, model_args, text_args
 from million_app.corpus import text_hash
 from million_app.errors import UsageError
-from million_app.flags import (cache_spec, check_codebook_settings, check_positions,
-                               check_positive, load_text)
+from million_app.flags import check_codebook_settings, check_positions, check_positive, load_text
 from million_app.loading import model_name, open_model, tokenize
-from million_app.perplexity import evaluate
 from million_app.recipes import fit_recipe, recipe_for_bits
-from million_app.report import check_writable, environment, human_bytes, memory_line, write_json
+from million_app.report import check_writable, human_bytes
+from million_jax.quant.kv_codebooks import GRANULARITIES
+from million_jax.quant.pq import MAX_NBITS, MIN_NBITS
+
+HELP = "fit K/V codebooks on calibration text"
 
 
-# ---------------------------------------------------------------------------- calibrate
-def cmd_calibrate(args: argparse.Namespace) -> int:
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("calibrate", help=HELP)
+    model_args(p)
+    p.add_argument("--text", required=True, help=TEXT_HELP)
+    text_args(p)
+    p.add_argument("--tokens", type=int, default=16384, help="calibration tokens (default 16384)")
+    p.add_argument("--bits", type=int, choices=(1, 2, 3, 4),
+                   help="stored bits per K/V element: picks the best measured recipe (key/value budgets, "
+                        "query-aware keys); not with --M/--nbits")
+    p.add_argument("--M", type=int, help="subspaces per head vector (default head_dim/2)")
+    p.add_argument("--nbits", type=int, help=f"bits per code, {MIN_NBITS}..{MAX_NBITS} (default 8)")
+    p.add_argument("--granularity", choices=GRANULARITIES, default="layer_head",
+                   help="one codebook for the model, per layer, or per layer and KV head")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--iters", type=int, default=25, help="k-means iterations (default 25)")
+    p.add_argument("--max-vectors", type=int, default=65536,
+                   help="vectors sampled per k-means problem (default 65536)")
+    p.add_argument("--window", default=None,
+                   help="calibration window(s), e.g. 512 or 512,8192 (the tokens split equally between "
+                        "them): keys are quantized after RoPE, so the codebooks serve positions up to the "
+                        "longest (default: 512 and the model's context, at most 8192 and at most half "
+                        "the calibration tokens)")
+    p.add_argument("--batch", type=int, default=4, help="windows per forward (default 4)")
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
     """Fit K/V codebooks on calibration text and save them with metadata."""
     check_positive(tokens=args.tokens, iters=args.iters, max_vectors=args.max_vectors,
                    batch=args.batch, M=args.M)
@@ -82,60 +110,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                              finetune_steps=recipe.finetune_steps if recipe else 0)
     save_model_codebooks(args.out, books, meta)
     print(f"wrote {args.out}: {books.recipe} {books.granularity} codebooks "
-          f"({meta['bits_per_elem']:.2f} bits/elem, {human_bytes(books.nbytes)}) for "
+          f"({meta['bits_per_element']:.2f} bits/elem, {human_bytes(books.nbytes)}) for "
           f"{model_name(model)} from {used} tokens of {args.text}")
     return 0
-
-
-# ---------------------------------------------------------------------------- eval
-def cmd_eval(args: argparse.Namespace) -> int:
-    """Perplexity through one cache (MILLION's windowed protocol)."""
-    check_positive(window=args.window, max_tokens=args.max_tokens, batch=args.batch)
-    if args.json:
-        check_writable(args.json, "--json")
-    text = load_text(args.text, "--text", args)
-    model = open_model(args.model)
-    check_positions(model, args.window, f"--window {args.window}")
-    spec, source = cache_spec(args, model)
-    if note := caches.beyond_calibration(spec, args.window, source.get("calib_window"), source.get("codebooks")):
-        progress.warn(note)
-    ids = tokenize(model, text, bos=args.bos)
-    progress.status(f"eval text {args.text}: {len(ids)} tokens; {caches.label(spec)}")
-    r = evaluate(model, ids, spec, window=args.window, max_tokens=args.max_tokens, batch=args.batch)
-    r.update(source)
-    r.update(model=model_name(model), model_fingerprint=model_fingerprint(model), text=args.text,
-             text_hash=text_hash(text), text_tokens=len(ids), bos=bool(args.bos),
-             environment=environment())
-    print(f"{caches.label(spec)}: ppl {r['ppl']:.4f} (nll {r['nll']:.4f}) over {r['tokens']} target "
-          f"tokens in {r['windows']} windows of {r['window']}")
-    print("  " + memory_line(r))
-    if args.json:
-        write_json(args.json, r)
-        progress.status(f"wrote {args.json}")
-    return 0
-
-
-# ---------------------------------------------------------------------------- the rest
-def cmd_sweep(args: argparse.Namespace) -> int:
-    from million_app.sweep import run_sweep_command
-
-    return run_sweep_command(args)
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from million_app.generation import run_generate_command
-
-    return run_generate_command(args)
-
-
-def cmd_passkey(args: argparse.Namespace) -> int:
-    from million_app.passkey import run_passkey_command
-
-    return run_passkey_command(args)
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from million_app.demo import run_demo_command
-
-    return run_demo_command(args)
-

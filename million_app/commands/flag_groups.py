@@ -1,0 +1,49 @@
+"""Flag groups several subcommands share (each subcommand adds its own flags in its module)."""
+from __future__ import annotations
+
+import argparse
+
+from million_app.caches import DTYPES
+from million_jax.cache.spec import CACHE_KINDS
+
+TEXT_HELP = "a UTF-8 text file, or builtin:calib / builtin:eval (halves of Python's pydoc_data docs)"
+
+
+def text_args(p: argparse.ArgumentParser) -> None:
+    """--encoding / --errors of the text files a command reads."""
+    p.add_argument("--encoding", default="utf-8", help="encoding of the text file(s) (default utf-8)")
+    p.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                   help="strict (default): refuse a binary or undecodable text file; "
+                        "replace: read it anyway, bad bytes replaced")
+
+
+def model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    """--model (required unless ``required`` is False: then smollm2) and --quiet."""
+    p.add_argument("--model", required=required, default=None if required else "smollm2",
+                   help="smollm2, a .gguf file or an HF checkpoint directory")
+    p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+
+
+def cache_dtype_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup, help: str | None = None) -> None:
+    p.add_argument("--cache-dtype", choices=tuple(DTYPES), default="bfloat16",
+                   help=help or "dtype of the cache's full-precision parts (dense K/V, exact ring, "
+                                "scales); default bfloat16")
+
+
+def cache_args(p: argparse.ArgumentParser, default_protocol: str) -> None:
+    """The cache flags, parsed into a CacheSpec by :func:`million_app.flags.cache_spec`."""
+    g = p.add_argument_group("cache")
+    g.add_argument("--cache", choices=CACHE_KINDS, default="dense", help="KV cache kind (default: dense)")
+    g.add_argument("--codebooks", help="codebook file from `million-jax calibrate` (--cache pq)")
+    g.add_argument("--bits", type=int, help="uniform cache: 2, 4 or 8 bits")
+    g.add_argument("--group-size", type=int, help="uniform kivi: group size G (default 32)")
+    g.add_argument("--uniform-mode", choices=("kivi", "token"),
+                   help="uniform: kivi (keys per channel, values per token; default) or token")
+    g.add_argument("--protocol", choices=("all", "realistic"),
+                   help="all: every key/value read from the quantized store (MILLION's "
+                        "evaluation); realistic: the --recent last tokens and --sinks first "
+                        f"tokens kept exact (default: {default_protocol})")
+    g.add_argument("--recent", type=int, help="realistic: exact recent tokens (default 64)")
+    g.add_argument("--sinks", type=int, help="realistic: exact first tokens (default 0)")
+    cache_dtype_arg(g)
+    p.set_defaults(default_protocol=default_protocol)
