@@ -50,7 +50,7 @@ from pallas_kernels.pq_math import (
 )
 from pallas_kernels.softmax import einsum_f32, group_heads
 
-__all__ = ["pq_attention_xla", "LUT_MAX_QUERIES"]
+__all__ = ["pq_attention_xla", "attend_codes_xla", "check_code_fit", "LUT_MAX_QUERIES"]
 
 # With at most this many queries per call the key scores come from the LUT;
 # above it a tile of keys is decoded and multiplied (prefill).
@@ -71,8 +71,15 @@ def pq_attention_xla(
     rope_inv_freq: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of q over tokens stored as PQ codes (see module docstring)."""
-    b, t, h, d = q.shape
-    hkv = k_codes.shape[1]
+    check_code_fit(q.shape[-1], k_codes, v_codes, k_centroids, v_centroids)
+    return attend_codes_xla(q, k_codes, v_codes, k_centroids, v_centroids, lo, hi, scale=scale, tile=tile,
+                            rope_inv_freq=rope_inv_freq)
+
+
+def check_code_fit(d: int, k_codes, v_codes, k_centroids, v_centroids) -> None:
+    """ValueError unless codes [B, Hkv, N, width] fit their codebooks [G, M, K, dsub] (width M,
+    or M packed codes of log2 K bits; M * dsub = d) and keys and values agree on [B, Hkv, N].
+    Shapes only (trace time)."""
     for name, codes, cb in (("key", k_codes, k_centroids), ("value", v_codes, v_centroids)):
         g, m_cb, kc, dsub = cb.shape
         nbits = codebook_nbits(kc)
@@ -85,6 +92,25 @@ def pq_attention_xla(
             raise ValueError(f"{name} codebook [G={g}, M={m_cb}, K={kc}, dsub={dsub}] does not fit d={d}")
     if v_codes.shape[:3] != k_codes.shape[:3]:
         raise ValueError(f"key codes {k_codes.shape} and value codes {v_codes.shape} differ in [B, Hkv, N]")
+
+
+def attend_codes_xla(
+    q: jax.Array,
+    k_codes: jax.Array,
+    v_codes: jax.Array,
+    k_centroids: jax.Array,
+    v_centroids: jax.Array,
+    lo: jax.Array,
+    hi: jax.Array,
+    *,
+    scale: float | None = None,
+    tile: int = 512,
+    rope_inv_freq: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`pq_attention_xla` without the codes-vs-codebooks check (for callers that made it
+    once, e.g. the PQ cache in ``layer_consts``)."""
+    b, t, h, d = q.shape
+    hkv = k_codes.shape[1]
     n = k_codes.shape[2]
     unpack_k = lambda c: maybe_unpack(c, k_centroids.shape[1], codebook_nbits(k_centroids.shape[2]))  # noqa: E731
     unpack_v = lambda c: maybe_unpack(c, v_centroids.shape[1], codebook_nbits(v_centroids.shape[2]))  # noqa: E731

@@ -57,6 +57,7 @@ def _counters(monkeypatch) -> dict[str, list[int]]:
         "plan": _count(monkeypatch, pq_dispatch, "plan_pq_kernel"),
         "kernel support": _count(monkeypatch, kernel_module, "_check_kernel_support"),
         "codes vs codebooks": _count(monkeypatch, PQLayer, "check_books"),
+        "codes fit (public)": _count(monkeypatch, pq_dispatch, "check_code_fit"),
     }
 
 
@@ -67,7 +68,7 @@ def test_pallas_call_checks_nothing_twice_and_plans_once(monkeypatch):
     out, lse = pq_dispatch.pq_code_attention(q, kc, vc, kb, vb, lo, hi, impl="pallas")
     assert {k: v[0] for k, v in n.items()} == {
         "check_pq_inputs": 0, "plan": 1, "kernel support": 1,
-        "codes vs codebooks": 0}
+        "codes vs codebooks": 0, "codes fit (public)": 1}
     np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(want[0]), rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(np.asarray(lse[:, 0]), np.asarray(want[1]), rtol=2e-2, atol=2e-2)
 
@@ -98,8 +99,17 @@ def test_cache_decode_checks_codebooks_once_and_plans_once(monkeypatch):
             n = _counters(mp)
             outs[impl], _ = attend_layer0(cache, books, q[:, 4:], k[:, 4:], k[:, 4:], jnp.ones((B,), jnp.int32))
         calls = {k: v[0] for k, v in n.items()}
-    assert calls == {"check_pq_inputs": 0, "plan": 1, "kernel support": 1, "codes vs codebooks": 1}
+    assert calls == {"check_pq_inputs": 0, "plan": 1, "kernel support": 1, "codes vs codebooks": 1,
+                     "codes fit (public)": 0}
     np.testing.assert_allclose(np.asarray(outs["pallas"]), np.asarray(outs["xla"]), rtol=3e-2, atol=3e-2)
+
+
+def test_public_entry_refuses_codes_that_do_not_fit_on_every_path():
+    """pq_code_attention is public: mismatched codes are an error on the kernel path too."""
+    q, kc, vc, kb, vb, lo, hi = _inputs(3)
+    for impl in ("pallas", "xla"):
+        with pytest.raises(ValueError, match="key codebook .* does not fit its codes"):
+            pq_dispatch.pq_code_attention(q, kc[..., :-1], vc, kb, vb, lo, hi, impl=impl)
 
 
 def test_auto_off_gpu_never_computes_the_kernel_blocker(monkeypatch):
