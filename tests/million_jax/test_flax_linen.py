@@ -17,6 +17,7 @@ from flax_models import (D_MODEL, HEADS, MAX_LEN, VOCAB, LinenDecoder, assert_ne
 HKV, HEAD_DIM = 2, D_MODEL // HEADS
 
 
+@pytest.mark.slow
 def test_decode_equals_reference_attention_from_codes():
     window, sinks = 2, 1
     layer = PQMultiHeadDotProductAttention(num_heads=HEADS, num_kv_heads=HKV, decode=True,
@@ -54,6 +55,7 @@ def _decode_logits(model, variables, tokens):
     return jnp.concatenate(outs, axis=1)
 
 
+@pytest.mark.slow
 def test_calibrated_12bit_logits_close_to_stock():
     stock = LinenDecoder()
     rng = np.random.default_rng(1)

@@ -66,6 +66,7 @@ def _decode_logits(model, tokens):
     return jnp.concatenate([step(model, tokens[:, i:i + 1], jnp.int32(i)) for i in range(tokens.shape[1])], axis=1)
 
 
+@pytest.mark.slow
 def test_calibrated_12bit_logits_close_to_stock():
     stock = NNXDecoder()
     rng = np.random.default_rng(2)

@@ -29,6 +29,7 @@ def test_recovers_separated_clusters():
     d=st.sampled_from([1, 2, 5, 8]),
     batch=st.integers(1, 3),
 )
+@pytest.mark.slow
 def test_objective_never_increases(seed, k, d, batch):
     rng = np.random.default_rng(seed)
     x = rng.standard_t(3, size=(batch, 300, d)).astype(np.float32)

@@ -79,6 +79,7 @@ def _np_reference(books: PQCodebooks, q, k, v):
 
 
 @pytest.mark.parametrize("budget,transforms", [((4, 4, 2, 3), True), ((4, 4, 4, 4), True), ((2, 3, 8, 2), False)])
+@pytest.mark.slow
 def test_pq_cache_matches_numpy_reference(budget, transforms):
     rng = np.random.default_rng(sum(budget) + transforms)
     books = _books(rng, *budget, transforms)

@@ -25,6 +25,7 @@ def _data(seed, shape):
     d_m=st.sampled_from([(8, 4), (8, 2), (16, 8), (12, 3)]),
     nbits=st.sampled_from([1, 3, 5]),
 )
+@pytest.mark.slow
 def test_shapes_dtypes_and_nearest(seed, groups, d_m, nbits):
     d, M = d_m
     x = _data(seed, groups + (64, d))
@@ -54,6 +55,7 @@ def test_uint16_for_wide_codes_and_bits_accounting():
     assert codes.dtype == np.uint16 and int(np.asarray(codes).max()) < 1024
 
 
+@pytest.mark.slow
 def test_error_falls_as_nbits_grows():
     x = _data(1, (2, 2048, 16))
     errs = [

@@ -67,6 +67,7 @@ def _run(cache, books, q_chunks, k_chunks, v_chunks, n_chunks):
     quantize_all=st.booleans(),
     granularity=st.sampled_from(["shared", "layer", "layer_head"]),
 )
+@pytest.mark.slow
 def test_prefill_then_decode_matches_reference(seed, d_m, nbits, hkv_g, S, W, quantize_all, granularity):
     d, M = d_m
     hkv, g = hkv_g
@@ -116,6 +117,7 @@ def test_prefill_then_decode_matches_reference(seed, d_m, nbits, hkv_g, S, W, qu
 
 
 @pytest.mark.parametrize("quantize_all", [False, True])
+@pytest.mark.slow
 def test_chunked_prefill_equals_one_shot(quantize_all):
     rng = np.random.default_rng(0)
     hkv, g, d, M, nbits, W, S = 2, 2, 64, 32, 6, 4, 2
@@ -169,6 +171,7 @@ def test_mismatched_codebooks_rejected():
 
 
 @pytest.mark.parametrize("window, sinks", [(0, 0), (4, 2)])
+@pytest.mark.slow
 def test_pallas_impl_matches_xla_on_decode(window, sinks):
     """impl='pallas' (the fused kernel, interpret mode off-GPU) equals the xla path."""
     rng = np.random.default_rng(5)

@@ -175,6 +175,7 @@ def _plan(draw, target, width):
     tile=st.sampled_from([1, 16, 512]),
     data=st.data(),
 )
+@pytest.mark.slow
 def test_attention_matches_reference(seed, d, mode_bits, G, hkv_g, S, W, qa, bf16, tile, data):
     mode, bits = mode_bits
     hkv, g = hkv_g
@@ -357,6 +358,7 @@ def test_bad_shapes_rejected():
         UniformCache.create(1, 1, 1, 8, 6, bits=2, mode="token")
 
 
+@pytest.mark.slow
 def test_model_runs_with_uniform_cache():
     """The LLaMA model takes a UniformCache unchanged: ragged prefill + decode, close to dense at 8 bits."""
     from models import decode_step, init_cache, init_params, prefill, preset
