@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from million_jax.attention.pq_dispatch import pq_code_attention, use_kernel
+from million_jax.attention.pq_dispatch import kernel_plan, pq_code_attention
 from million_jax.attention.pq_xla import pq_attention_xla
 from pallas_kernels.code_packing import pack_codes
 
@@ -107,7 +107,8 @@ def test_dispatch_kernel_and_xla_agree_on_pre_rope_keys():
     hi = np.array([[70], [41]], np.int32)
     args = tuple(jnp.asarray(a) for a in (x["q"], x["k_codes"], x["v_codes"], x["k_books"], x["v_books"], lo, hi))
     f = jnp.asarray(x["freqs"])
-    assert use_kernel("pallas", *args, rope_inv_freq=f)
+    plan = kernel_plan("pallas", *args[:5], rope=True)
+    assert plan is not None and plan.rope
     want = oracle(x, lo, hi)
     check(pq_code_attention(*args, impl="pallas", rope_inv_freq=f), want, tol=5e-2)  # bf16 dots
     check(pq_code_attention(*args, impl="xla", rope_inv_freq=f), want)
