@@ -127,17 +127,20 @@ def beyond_calibration(spec: CacheSpec, n_tokens: int, calib_window: int | None,
                        codebooks_path: str | None = None) -> str | None:
     """A warning when PQ codebooks calibrated on windows of ``calib_window`` tokens read ``n_tokens``.
 
-    Keys are quantized after RoPE: positions past the calibration window rotate them to
+    Keys quantized after RoPE (``key_rope == "post"``): positions past the calibration window rotate them to
     angles the k-means never saw (benchmarks/results/position_error_smollm2: query-weighted
     key error 0.3% in the first 1K positions, 46% at 6-8K, for 512-token calibration)."""
     if spec.kind != "pq" or calib_window is None or n_tokens <= calib_window:
         return None
+    if spec.codebooks is not None and spec.codebooks.key_rope == "pre":
+        return None  # keys quantized before RoPE do not depend on position
     # one long window alone starves the attention sinks (position_error_smollm2/): mix in 512
     advice = f"--window {n_tokens}" if n_tokens <= 512 else f"--window 512,{n_tokens}"
     return (f"the codebooks ({codebooks_path or 'given'}) were calibrated on windows of "
             f"{calib_window} tokens and will read sequences of up to {n_tokens}: keys past "
             f"position {calib_window} are quantized with a much larger error (long-range "
-            f"retrieval fails); calibrate with `million-jax calibrate {advice}`")
+            f"retrieval fails); calibrate with `million-jax calibrate --rope pre` (position-independent) or "
+            f"`million-jax calibrate --rope post {advice}`")
 
 
 # ---------------------------------------------------------------------------- building

@@ -33,20 +33,25 @@ def model_fingerprint(model: LoadedModel) -> str:
     return h.hexdigest()[:16]
 
 
-# Keys are quantized after RoPE, so codebooks serve the positions they were calibrated on, and
-# the first tokens of a sequence (attention sinks) are outliers every query reads
-# (benchmarks/results/position_error_smollm2): the default calibration runs half its tokens in
-# short windows (many sequence starts) and half in windows as long as the model's context,
-# within this cap (the calibration forward is quadratic in the window).
+# Keys quantized before RoPE (the default, "pre") do not depend on position: short windows serve
+# every position (benchmarks/results/prerope_smollm2). Keys quantized after RoPE ("post",
+# MILLION's choice) only serve the positions they were calibrated on, and the first tokens of a
+# sequence (attention sinks) are outliers every query reads (position_error_smollm2): their
+# default calibration runs half its tokens in short windows (many sequence starts) and half in
+# windows as long as the model's context, within this cap (the forward is quadratic in the window).
+DEFAULT_KEY_ROPE = "pre"
 CALIBRATION_WINDOW_CAP = 8192
 SHORT_CALIBRATION_WINDOW = 512
 
 
-def default_calibration_windows(model: LoadedModel, tokens: int) -> tuple[int, ...]:
-    """The default calibration windows for ``tokens`` calibration tokens on hand:
-    (512, the model's context capped at CALIBRATION_WINDOW_CAP and at tokens / 2), or one
-    window length when the long one is not longer than 512."""
+def default_calibration_windows(model: LoadedModel, tokens: int, key_rope: str = DEFAULT_KEY_ROPE) -> tuple[int, ...]:
+    """The default calibration windows for ``tokens`` calibration tokens on hand: 512 (at most
+    the model's context and the tokens) for pre-RoPE keys; for post-RoPE keys (512, the model's
+    context capped at CALIBRATION_WINDOW_CAP and at tokens / 2), or one window length when the
+    long one is not longer than 512."""
     context = min(model.config.max_position_embeddings, CALIBRATION_WINDOW_CAP)
+    if key_rope == "pre":
+        return (max(2, min(context, tokens, SHORT_CALIBRATION_WINDOW)),)
     long = max(2, min(context, tokens // 2))
     if long <= SHORT_CALIBRATION_WINDOW:
         return (max(2, min(context, tokens)),)
@@ -319,8 +324,8 @@ def calibration_kvq_samples(model: LoadedModel, ids: Sequence[int], *, tokens: i
 
 
 def fit_model_codebooks(k: np.ndarray, v: np.ndarray, *, M: int, nbits: int, granularity: str,
-                        seed: int = 0, iters: int = 25,
-                        max_vectors: int = DEFAULT_MAX_VECTORS) -> PQCodebooks:
+                        seed: int = 0, iters: int = 25, max_vectors: int = DEFAULT_MAX_VECTORS,
+                        rope_inv_freq: np.ndarray | None = None) -> PQCodebooks:
     """``fit_kv_codebooks`` with a progress bar (one step per jitted fit; Ctrl-C stops in
     between) and settings errors as UsageErrors."""
     pbar = bar(1, "k-means", unit="fit")
@@ -331,7 +336,7 @@ def fit_model_codebooks(k: np.ndarray, v: np.ndarray, *, M: int, nbits: int, gra
     try:
         return fit_kv_codebooks(k, v, M=M, nbits=nbits, granularity=granularity,
                                 key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
-                                progress=progress)
+                                progress=progress, rope_inv_freq=rope_inv_freq)
     except ValueError as e:
         raise UsageError(str(e)) from None
     finally:

@@ -116,15 +116,25 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq2-pre-ow", 2, 4, 4, 8, output_aware=True, rope="pre"),
 )}
 
-# bits per element -> recipe name, the measured best per budget (module docstring, results README)
-BEST_FOR_BITS: dict[int, str] = {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-r2-qa", 1: "pq1-qa"}
+# key_rope -> bits per element -> recipe name, the measured best per budget (module docstring,
+# benchmarks/results/recipes_smollm2 and prerope_smollm2)
+BEST_FOR_BITS: dict[str, dict[int, str]] = {
+    "post": {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-r2-qa", 1: "pq1-qa"},
+    "pre": {4: "pq4-pre", 3: "pq3-pre", 2: "pq2-pre"},
+}
 
 
-def recipe_for_bits(bits: int) -> Recipe:
-    """The recipe for ``--bits`` (UsageError for a budget without one)."""
-    if bits not in BEST_FOR_BITS:
-        raise UsageError(f"--bits must be one of {sorted(BEST_FOR_BITS)}, got {bits}")
-    return RECIPES[BEST_FOR_BITS[bits]]
+def recipe_for_bits(bits: int, key_rope: str = "pre") -> Recipe:
+    """The recipe for ``--bits`` with keys quantized ``key_rope`` RoPE (UsageError for a budget
+    without one)."""
+    table = BEST_FOR_BITS.get(key_rope)
+    if table is None:
+        raise UsageError(f"--rope must be one of {sorted(BEST_FOR_BITS)}, got {key_rope!r}")
+    if bits not in table:
+        other = [r for r, t in BEST_FOR_BITS.items() if bits in t and r != key_rope]
+        hint = f" (--rope {other[0]} has one)" if other else ""
+        raise UsageError(f"--bits with --rope {key_rope} must be one of {sorted(table)}, got {bits}{hint}")
+    return RECIPES[table[bits]]
 
 
 def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.ndarray, q_count: np.ndarray, *,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from million_app import progress
-from million_app.calibrate import (calibration_kvq, calibration_kvq_samples, codebook_metadata,
+from million_app.calibrate import (DEFAULT_KEY_ROPE, calibration_kvq, calibration_kvq_samples, codebook_metadata,
                                    default_calibration_windows, fit_model_codebooks, kmeans_problem_summary,
                                    parse_windows, save_model_codebooks)
 from million_app.commands.flag_groups import TEXT_HELP, model_args, text_args
@@ -15,7 +15,9 @@ from million_app.loading import model_name, open_model, tokenize
 from million_app.recipes import fit_recipe, recipe_for_bits
 from million_app.report import check_writable, human_bytes
 from million_jax.quant.kv_codebooks import GRANULARITIES
+from million_jax.quant.codebook_io import KEY_ROPE
 from million_jax.quant.pq import MAX_NBITS, MIN_NBITS
+from models.llama import rope_inv_freq
 
 HELP = "fit K/V codebooks on calibration text"
 
@@ -26,9 +28,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, help=TEXT_HELP)
     text_args(p)
     p.add_argument("--tokens", type=int, default=16384, help="calibration tokens (default 16384)")
+    p.add_argument("--rope", choices=KEY_ROPE, default=DEFAULT_KEY_ROPE,
+                   help="quantize keys before RoPE (pre, default: one sub-space per RoPE pair, codebooks "
+                        "serve every position, rotation applied inside attention) or after it (post, "
+                        "MILLION's choice: codebooks serve the positions they were calibrated on)")
     p.add_argument("--bits", type=int, choices=(1, 2, 3, 4),
-                   help="stored bits per K/V element: picks the best measured recipe (key/value budgets, "
-                        "query-aware keys); not with --M/--nbits")
+                   help="stored bits per K/V element: picks the best measured recipe for --rope (key/value "
+                        "budgets, query-aware keys for post); not with --M/--nbits")
     p.add_argument("--M", type=int, help="subspaces per head vector (default head_dim/2)")
     p.add_argument("--nbits", type=int, help=f"bits per code, {MIN_NBITS}..{MAX_NBITS} (default 8)")
     p.add_argument("--granularity", choices=GRANULARITIES, default="layer_head",
@@ -39,9 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="vectors sampled per k-means problem (default 65536)")
     p.add_argument("--window", default=None,
                    help="calibration window(s), e.g. 512 or 512,8192 (the tokens split equally between "
-                        "them): keys are quantized after RoPE, so the codebooks serve positions up to the "
-                        "longest (default: 512 and the model's context, at most 8192 and at most half "
-                        "the calibration tokens)")
+                        "them; default 512 for --rope pre; for --rope post the codebooks serve positions "
+                        "up to the longest window, default 512 and the model's context, at most 8192 and "
+                        "at most half the calibration tokens)")
     p.add_argument("--batch", type=int, default=4, help="windows per forward (default 4)")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -63,40 +69,45 @@ def run(args: argparse.Namespace) -> int:
     if args.bits is not None:
         if args.M is not None or args.nbits is not None:
             raise UsageError("--bits picks M and nbits itself: give either --bits or --M/--nbits")
-        recipe = recipe_for_bits(args.bits)
+        recipe = recipe_for_bits(args.bits, args.rope)
         recipe.budgets(d)
     nbits = 8 if args.nbits is None else args.nbits
     M = args.M or d // 2
     if d % M:
         raise UsageError(f"--M {M} does not divide the model's head_dim {d}")
+    if args.rope == "pre" and recipe is None and M != d // 2:
+        raise UsageError(f"--rope pre quantizes keys per RoPE pair: --M must be head_dim / 2 = {d // 2} "
+                         f"(got {M}); set the budget with --nbits, or use --rope post")
     check_codebook_settings(nbits, args.max_vectors)
     ids = tokenize(model, text)
     progress.status(f"calibration text {args.text}: {len(ids)} tokens, using up to {args.tokens}")
     if windows is None:
-        windows = default_calibration_windows(model, min(args.tokens, len(ids)))
+        windows = default_calibration_windows(model, min(args.tokens, len(ids)), args.rope)
+        serve = "every position" if args.rope == "pre" else f"positions up to {max(windows)}"
         progress.status(f"calibration windows of {' and '.join(map(str, windows))} tokens (the codebooks serve "
-                        f"positions up to {max(windows)})")
+                        f"{serve})")
     queries = None
     if recipe is not None and recipe.finetune is not None:
         if len(windows) > 1:
             raise UsageError(f"recipe {recipe.name} fine-tunes on one window length: give one --window")
-        k, v, gram, count, q, q_pos, used = calibration_kvq_samples(model, ids, tokens=args.tokens,
+        k, v, gram, count, q, q_pos, used = calibration_kvq_samples(  # fine-tuning: post-RoPE onlymodel, ids, tokens=args.tokens,
                                                                     window=windows[0], batch=args.batch,
                                                                     seed=args.seed)
         queries = (q, q_pos, windows[0])
     else:
         k, v, gram, count, used = calibration_kvq(model, ids, tokens=args.tokens, window=windows,
-                                                  batch=args.batch)
+                                                  batch=args.batch, key_rope=args.rope)
     if recipe is None:
         progress.status("k-means: " + kmeans_problem_summary(k.shape, M, nbits, args.granularity,
                                                              args.max_vectors)
                         + f", {args.iters} iterations")
     else:
-        progress.status(f"recipe {recipe.name} for --bits {args.bits}: {recipe}")
+        progress.status(f"recipe {recipe.name} for --bits {args.bits} --rope {args.rope}: {recipe}")
     with progress.timed("fitting codebooks") as t:
         if recipe is None:
             books = fit_model_codebooks(k, v, M=M, nbits=nbits, granularity=args.granularity,
-                                        seed=args.seed, iters=args.iters, max_vectors=args.max_vectors)
+                                        seed=args.seed, iters=args.iters, max_vectors=args.max_vectors,
+                                        rope_inv_freq=rope_inv_freq(model.config) if args.rope == "pre" else None)
         else:
             books = fit_recipe(recipe, model, k, v, gram, count, granularity=args.granularity,
                                seed=args.seed, iters=args.iters, max_vectors=args.max_vectors,

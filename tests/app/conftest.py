@@ -42,9 +42,20 @@ def cli(capsys):
 
 @pytest.fixture(scope="session")
 def codebooks(tiny_dir, tmp_path_factory) -> str:
-    """M=8, nbits=6 per-layer-per-head codebooks of the tiny model (3 bits/elem)."""
+    """M=8, nbits=6 per-layer-per-head codebooks of the tiny model (3 bits/elem; keys before
+    RoPE, the default)."""
     path = str(tmp_path_factory.mktemp("books") / "tiny.safetensors")
     rc = main(["calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "1024",
+               "--window", "256", "--nbits", "6", "--iters", "3", "--out", path, "--quiet"])
+    assert rc == 0
+    return path
+
+
+@pytest.fixture(scope="session")
+def post_codebooks(tiny_dir, tmp_path_factory) -> str:
+    """As ``codebooks`` with keys quantized after RoPE (MILLION's choice, ``--rope post``)."""
+    path = str(tmp_path_factory.mktemp("books") / "tiny_post.safetensors")
+    rc = main(["calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "1024", "--rope", "post",
                "--window", "256", "--nbits", "6", "--iters", "3", "--out", path, "--quiet"])
     assert rc == 0
     return path

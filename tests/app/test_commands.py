@@ -94,15 +94,18 @@ def test_passkey_command(cli, tiny_dir, codebooks, tmp_path):
     assert "warning: the codebooks" in res.err and "windows of 256 tokens" in res.err and "--window 400" in res.err
 
 
-def test_calibration_warning_only_past_the_window(cli, tiny_dir, codebooks):
-    base = ("eval", "--model", tiny_dir, "--text", "builtin:eval", "--max-tokens", 300, "--cache", "pq",
-            "--codebooks", codebooks, "--quiet")
-    within = cli(*base, "--window", 256)
+def test_calibration_warning_only_past_the_window(cli, tiny_dir, codebooks, post_codebooks):
+    """Post-RoPE codebooks warn past their calibration window; pre-RoPE ones serve every position."""
+    base = ("eval", "--model", tiny_dir, "--text", "builtin:eval", "--max-tokens", 300, "--cache", "pq", "--quiet")
+    within = cli(*base, "--codebooks", post_codebooks, "--window", 256)
     assert within.rc == 0, within.err
     assert "warning" not in within.err
-    past = cli(*base, "--window", 300)
+    past = cli(*base, "--codebooks", post_codebooks, "--window", 300)
     assert past.rc == 0, past.err
     assert "warning: the codebooks" in past.err and "windows of 256 tokens" in past.err
+    pre = cli(*base, "--codebooks", codebooks, "--window", 300)
+    assert pre.rc == 0, pre.err
+    assert "warning" not in pre.err
 
 
 def test_calibration_advice_mixes_a_short_window():
@@ -110,8 +113,9 @@ def test_calibration_advice_mixes_a_short_window():
     window alone starves the sinks: benchmarks/results/position_error_smollm2)."""
     pq = CacheSpec("pq")
     assert beyond_calibration(pq, 512, calib_window=512) is None
-    assert "calibrate --window 512,8192`" in beyond_calibration(pq, 8192, calib_window=512)
-    assert "calibrate --window 400`" in beyond_calibration(pq, 400, calib_window=256)
+    assert "calibrate --rope post --window 512,8192`" in beyond_calibration(pq, 8192, calib_window=512)
+    assert "calibrate --rope post --window 400`" in beyond_calibration(pq, 400, calib_window=256)
+    assert "--rope pre" in beyond_calibration(pq, 400, calib_window=256)
     assert beyond_calibration(CacheSpec("uniform", bits=4), 8192, calib_window=256) is None
 
 

@@ -64,10 +64,10 @@ def test_finetune_recipe_needs_queries_and_lowers_the_attention_error(tiny, ids)
 
 
 def test_calibrate_records_finetune_steps(cli, tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(recipes.BEST_FOR_BITS, 2, "pq2-ft")
+    monkeypatch.setitem(recipes.BEST_FOR_BITS["post"], 2, "pq2-ft")
     path = tmp_path / "ft.safetensors"
     res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "512", "--window", "128",
-              "--bits", "2", "--iters", "2", "--max-vectors", "512", "--out", path, "--quiet")
+              "--bits", "2", "--rope", "post", "--iters", "2", "--max-vectors", "512", "--out", path, "--quiet")
     assert res.rc == 0, res.err
     _, meta = load_codebooks(path)
     assert meta["recipe"] == "pq2-ft" and meta["finetune_steps"] == RECIPES["pq2-ft"].finetune_steps

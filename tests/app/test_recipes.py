@@ -10,12 +10,14 @@ from million_jax.quant.codebook_io import load_codebooks
 from cli_result import one_error_line
 
 
-def test_calibrate_bits_writes_the_recipe(cli, tiny_dir, tiny, tmp_path):
+@pytest.mark.parametrize("rope", ["pre", "post"])
+def test_calibrate_bits_writes_the_recipe(cli, tiny_dir, tiny, tmp_path, rope):
     path = tmp_path / "b2.safetensors"
     res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "1024", "--window", "256",
-              "--bits", "2", "--iters", "2", "--out", path, "--quiet")
+              "--bits", "2", "--rope", rope, "--iters", "2", "--out", path, "--quiet")
     assert res.rc == 0, res.err
-    recipe = RECIPES[BEST_FOR_BITS[2]]
+    recipe = RECIPES[BEST_FOR_BITS[rope][2]]
+    assert recipe.rope == rope
     _, meta = load_codebooks(path)
     d = tiny.config.head_dim
     assert meta["recipe"] == recipe.name and meta["bits_per_element"] == recipe.bits_per_element == 2.0
@@ -25,6 +27,7 @@ def test_calibrate_bits_writes_the_recipe(cli, tiny_dir, tiny, tmp_path):
     assert meta["stages"] == recipe.stages
     assert meta["query_aware_keys"] == recipe.query_aware
     books, _ = load_model_codebooks(str(path), tiny)
+    assert books.key_rope == meta["key_rope"] == rope
     if recipe.query_aware:
         a, qt = np.asarray(books.key_transform), np.asarray(books.query_transform)
         np.testing.assert_allclose(np.swapaxes(qt, -1, -2) @ a, np.broadcast_to(np.eye(d), a.shape), atol=1e-3)
@@ -75,3 +78,14 @@ def test_calibration_on_several_window_lengths(cli, tiny_dir, tiny, tmp_path):
         err = one_error_line(cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--window", bad,
                                  "--out", tmp_path / "bad.safetensors", "--quiet"))
         assert "--window" in err
+
+
+def test_calibrate_rope_pre_refuses_other_subspaces_and_1_bit(cli, tiny_dir, tmp_path, error_line):
+    base = ("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "512", "--out",
+            tmp_path / "x.safetensors")
+    res = cli(*base, "--M", "4")
+    assert res.rc == 2 and "--rope pre quantizes keys per RoPE pair: --M must be head_dim / 2" in error_line(res)
+    res = cli(*base, "--bits", "1")
+    assert res.rc == 2 and "--bits with --rope pre must be one of [2, 3, 4], got 1 (--rope post has one)" in \
+        error_line(res)
+    assert not (tmp_path / "x.safetensors").exists()
