@@ -15,7 +15,12 @@ With ``decode=True``:
   collection for inputs [*batch, max_length, features] (and, like the stock layer's init call,
   attends densely over that input); ``model.init`` without codebooks creates the params only;
 * later calls append their tokens' codes (T >= 1 tokens per call, a causal chunk) and read the
-  attention from the codes (:mod:`million_jax.flax.pq_layer`).
+  attention from the codes (:mod:`million_jax.flax.pq_layer`);
+* overflow (more tokens than that max_length; the stock layer drops them silently): an eager
+  ``apply`` raises :class:`~million_jax.CacheOverflowError` naming max_length and the tokens
+  asked for, before anything is written; under jit the tokens are dropped and the layer's
+  ``"cache"`` entry ``overflow`` (bool[B], sticky until the cache is made anew) is set:
+  ``state["cache"][<layer>]["overflow"]``, or :func:`million_jax.flax.cache_overflow` (state["cache"]).
 
     variables = {"params": params, "pq_codebooks": linen_codebooks(books, paths)}
     _, state = model.apply(variables, jnp.zeros((B, max_len, D)), mutable=["cache"])
@@ -36,7 +41,7 @@ from flax import traverse_util
 
 from million_jax.calibration.fit import DEFAULT_MAX_VECTORS
 from million_jax.cache.spec import CacheSpec
-from million_jax.flax.pq_layer import (CACHE_FIELDS, attend_pq, check_layer_books, empty_pq_cache, fit_layers,
+from million_jax.flax.pq_layer import (STATE_FIELDS, attend_pq, check_layer_books, empty_pq_cache, fit_layers,
                                        layer_spec, select_layer)
 from million_jax.quant.kv_codebooks import PQCodebooks
 
@@ -126,9 +131,10 @@ def _decode(module, spec: CacheSpec, query, key, value, mask, kv_heads) -> jax.A
     if mask is not None:
         raise ValueError("PQMultiHeadDotProductAttention decode: mask is not supported (the PQ cache applies the "
                          "causal mask over the stored tokens itself)")
-    names = CACHE_FIELDS + ("lengths",)
-    x, arrays = attend_pq(books, {n: module.get_variable("cache", n) for n in names}, spec, query, key, value)
-    for n in names:
+    where = f"{'/'.join(module.path) or 'layer'}: PQMultiHeadDotProductAttention"
+    x, arrays = attend_pq(books, {n: module.get_variable("cache", n) for n in STATE_FIELDS}, spec, query, key, value,
+                          where)
+    for n in STATE_FIELDS:
         module.put_variable("cache", n, arrays[n])
     return x
 

@@ -9,6 +9,13 @@ path, or the Pallas kernel on GPU for one-token steps), plus the optional exact 
 Unlike the stock layer a decode call may carry T > 1 tokens (a causal prefill chunk), and each
 sequence keeps its own length.
 
+Overflow (more tokens than ``init_cache``'s max_length): the stock layer drops them silently;
+this one does not. Called eagerly (concrete lengths) it raises
+:class:`~million_jax.CacheOverflowError` naming max_length and the tokens asked for, before
+anything is written. Under jit the tokens past max_length are dropped and the cache variable
+``overflow`` (bool[B], sticky until the next ``init_cache``) is set for those sequences: read
+``layer.overflow[...]``, or :func:`million_jax.flax.cache_overflow` (model) for all layers.
+
 The codebooks are :class:`PQCodebook` variables (not ``nnx.Param``): split them apart and
 never donate them::
 
@@ -28,7 +35,7 @@ from flax import nnx
 
 from million_jax.calibration.fit import DEFAULT_MAX_VECTORS
 from million_jax.cache.spec import CacheSpec
-from million_jax.flax.pq_layer import (CACHE_FIELDS, attend_pq, check_layer_books, empty_pq_cache, fit_layers,
+from million_jax.flax.pq_layer import (STATE_FIELDS, attend_pq, check_layer_books, empty_pq_cache, fit_layers,
                                        layer_spec, select_layer)
 from million_jax.quant.kv_codebooks import PQCodebooks
 
@@ -66,7 +73,7 @@ class PQMultiHeadAttention(nnx.MultiHeadAttention):
         self.kv_recorder: Callable | None = None  # set by calibrate_nnx
         self.key_codebook: PQCodebook | None = nnx.data(None)
         self.value_codebook: PQCodebook | None = nnx.data(None)
-        for name in CACHE_FIELDS + ("lengths",):
+        for name in STATE_FIELDS:
             setattr(self, name, nnx.data(None))
         if codebooks is not None:
             self.set_codebooks(codebooks)
@@ -88,7 +95,7 @@ class PQMultiHeadAttention(nnx.MultiHeadAttention):
 
     def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
         """An empty PQ cache for inputs [*batch, max_length, features]; ``dtype`` of the exact
-        sinks / window. Needs the codebooks (they set M and the code width)."""
+        sinks / window. Needs the codebooks (they set M and the code width). Clears ``overflow``."""
         books = self._books()
         *batch, max_len, _ = input_shape
         b = 1
@@ -103,7 +110,11 @@ class PQMultiHeadAttention(nnx.MultiHeadAttention):
                  *, mask: jax.Array | None = None, deterministic: bool | None = None, rngs=None,
                  sow_weights: bool = False, decode: bool | None = None, is_causal: bool = False,
                  out_sharding=None, qkv_sharding=None) -> jax.Array:
-        """As ``nnx.MultiHeadAttention.__call__``; in decode mode the cache holds PQ codes."""
+        """As ``nnx.MultiHeadAttention.__call__``; in decode mode the cache holds PQ codes.
+
+        Decode mode: CacheOverflowError (eager) or the ``overflow`` flag (jit) when the T new
+        tokens do not fit (module docstring).
+        """
         decode = self.decode if decode is None else decode
         if self.kv_recorder is not None or not decode:
             if self.kv_recorder is not None:
@@ -118,8 +129,8 @@ class PQMultiHeadAttention(nnx.MultiHeadAttention):
         if self.lengths is None:
             raise ValueError("Autoregressive cache not initialized, call ``init_cache`` first.")
         query, key, value = self._project(inputs_q, inputs_k, inputs_v, qkv_sharding)
-        arrays = {name: getattr(self, name)[...] for name in CACHE_FIELDS + ("lengths",)}
-        x, arrays = attend_pq(self._books(), arrays, self.cache_spec, query, key, value)
+        arrays = {name: getattr(self, name)[...] for name in STATE_FIELDS}
+        x, arrays = attend_pq(self._books(), arrays, self.cache_spec, query, key, value, "PQMultiHeadAttention")
         for name, arr in arrays.items():
             getattr(self, name)[...] = arr
         return self.out(x, out_sharding=out_sharding)

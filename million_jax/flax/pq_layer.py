@@ -9,7 +9,8 @@ flattened to B):
     k_codes, v_codes:  uint8|uint16[B, Hkv, T_max, M]
     sink_k, sink_v:    float[B, Hkv, S, d]          (S = sinks, may be 0)
     ring_k, ring_v:    float[B, Hkv, W, d]          (W = window, may be 0)
-    lengths:           int32[B]                     tokens stored per sequence
+    lengths:           int32[B]                     tokens stored per sequence (at most T_max)
+    overflow:          bool[B]                      sticky: some call asked for more than T_max
     codebooks:         float32[G, M, K, dsub] each for keys and values, G in {1, Hkv}
 """
 from __future__ import annotations
@@ -22,16 +23,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from million_jax.cache.base import CacheOverflowError
 from million_jax.cache.pq_cache import PQCache, PQLayer
 from million_jax.cache.spec import CacheSpec
 from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks
 from million_jax.quant.pq import Codebooks
 from million_jax.quant.kv_codebooks import PQCodebooks
 
-__all__ = ["CACHE_FIELDS", "attend_pq", "check_layer_books", "empty_pq_cache", "fit_layers", "layer_spec",
-           "select_layer"]
+__all__ = ["CACHE_FIELDS", "STATE_FIELDS", "attend_pq", "check_layer_books", "check_room", "empty_pq_cache",
+           "fit_layers", "layer_spec", "select_layer"]
 
 CACHE_FIELDS = ("k_codes", "v_codes", "sink_k", "sink_v", "ring_k", "ring_v")
+STATE_FIELDS = CACHE_FIELDS + ("lengths", "overflow")  # every array a layer keeps as its cache
 
 
 def layer_spec(spec: CacheSpec | None, where: str) -> tuple[CacheSpec, PQCodebooks | None]:
@@ -91,15 +94,37 @@ def empty_pq_cache(books: PQCodebooks, batch: int, max_len: int, num_kv_heads: i
                            window=spec.window, sinks=spec.sinks, dtype=dtype, impl=spec.impl)
     arrays = {name: getattr(cache.layers, name)[0] for name in CACHE_FIELDS}
     arrays["lengths"] = cache.lengths
+    arrays["overflow"] = jnp.zeros((batch,), bool)
     return arrays
 
 
+def check_room(lengths: jax.Array, n_new: int, max_len: int, where: str) -> None:
+    """CacheOverflowError unless ``n_new`` more tokens fit every row of ``lengths`` int32[B].
+
+    Checks only concrete lengths (an eager call): under jit (a Tracer) or with lengths spread
+    over other hosts nothing is checked here, and the cache's sticky ``overflow`` flag records it.
+    """
+    if isinstance(lengths, jax.core.Tracer) or not getattr(lengths, "is_fully_addressable", True):
+        return
+    lens = np.asarray(lengths)
+    over = np.nonzero(lens + n_new > max_len)[0]
+    if over.size:
+        b = int(over[0])
+        raise CacheOverflowError(
+            f"{where}: sequence {b} holds {int(lens[b])} of the cache's max_length={max_len} positions and "
+            f"cannot take {n_new} more token{'s' if n_new != 1 else ''} ({int(lens[b]) + n_new} asked for; "
+            "init the cache with a larger max_length)")
+
+
 def attend_pq(books: PQCodebooks, arrays: dict[str, jax.Array], spec: CacheSpec, query: jax.Array,
-              key: jax.Array, value: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+              key: jax.Array, value: jax.Array, where: str = "PQ attention") -> tuple[jax.Array, dict[str, jax.Array]]:
     """Append the new tokens and attend from codes (plus the exact sinks / window).
 
     query float[*batch, T, H, d]; key, value float[*batch, T, Hkv, d]; ``arrays`` as made by
     :func:`empty_pq_cache`. Returns (out float[*batch, T, H, d] in query.dtype, new arrays).
+    Tokens past the cache's max_len: with concrete lengths CacheOverflowError (naming ``where``)
+    before anything is written; under jit they are dropped and the rows' ``overflow`` flag is set
+    (it stays set until the cache is made anew).
     """
     lengths = arrays["lengths"]
     b = lengths.shape[0]
@@ -110,15 +135,17 @@ def attend_pq(books: PQCodebooks, arrays: dict[str, jax.Array], spec: CacheSpec,
     codes = arrays["k_codes"]
     if key.shape[-2:] != (codes.shape[1], books.head_dim):
         raise ValueError(f"PQ cache is for {codes.shape[1]} KV heads of dim {books.head_dim}, got key {key.shape}")
+    t = query.shape[-3]
+    check_room(lengths, t, codes.shape[2], where)
     flat = lambda x: x.reshape((b,) + x.shape[-3:])  # noqa: E731
     # the layer's static settings are copied from the spec (checked there)
     layer = PQLayer(**{n: arrays[n] for n in CACHE_FIELDS}, quantize_all=spec.quantize_all, impl=spec.impl)
     layer.check_books(books)  # the one codes-vs-codebooks check of this call (the kernel does not repeat it)
-    t = query.shape[-3]
     n_new = jnp.full((b,), t, jnp.int32)
     out, layer = layer.append(books, flat(query), flat(key), flat(value), lengths, n_new)
     new = {n: getattr(layer, n) for n in CACHE_FIELDS}
     new["lengths"] = jnp.minimum(lengths + n_new, layer.max_len)
+    new["overflow"] = arrays["overflow"] | (lengths + n_new > layer.max_len)
     return out.reshape(query.shape), new
 
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from million_jax import CacheSpec
-from million_jax.flax import CODEBOOK_COLLECTION, PQMultiHeadDotProductAttention, calibrate_linen, linen_codebooks
+from million_jax import CacheOverflowError, CacheSpec
+from million_jax.flax import (CODEBOOK_COLLECTION, PQMultiHeadDotProductAttention, cache_overflow, calibrate_linen,
+                              linen_codebooks)
 from million_jax.flax.linen_attention import linen_pq_layers
 
 from flax_models import (D_MODEL, HEADS, MAX_LEN, VOCAB, LinenDecoder, assert_nearest_codes, project, stored_codes,
@@ -137,3 +138,50 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="not in cache_spec"):
         PQMultiHeadDotProductAttention(num_heads=4, cache_spec=CacheSpec("pq", codebooks=books)).init(
             jax.random.PRNGKey(0), jnp.ones((1, 2, 8)))
+
+
+def test_overflow_raises_eagerly_and_flags_under_jit():
+    layer = PQMultiHeadDotProductAttention(num_heads=HEADS, num_kv_heads=HKV, decode=True,
+                                           cache_spec=CacheSpec("pq", impl="xla"))
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 17, D_MODEL)), jnp.float32)
+    params = layer.init(jax.random.PRNGKey(0), x[:, :1])["params"]
+    variables = {"params": params, CODEBOOK_COLLECTION: linen_codebooks(random_books(1, HKV, HEAD_DIM, M=4, nbits=4),
+                                                                        [()])}
+    _, empty = layer.apply(variables, jnp.zeros((2, 16, D_MODEL)), mutable=["cache"])  # max_length 16
+
+    def apply(state, x):
+        return layer.apply({**variables, **state}, x, mutable=["cache"])
+
+    _, state = apply(empty, x[:, :16])  # eager, exactly full: fine
+    assert np.asarray(state["cache"]["overflow"]).tolist() == [False, False]
+    with pytest.raises(CacheOverflowError, match=r"PQMultiHeadDotProductAttention: .*max_length=16 .* 1 more token"):
+        apply(state, x[:, 16:17])
+    with pytest.raises(CacheOverflowError, match=r"cannot take 17 more tokens \(17 asked for"):
+        apply(empty, x)
+
+    call = jax.jit(apply)
+    _, state = call(empty, x[:, :16])
+    assert np.asarray(cache_overflow(state["cache"])).tolist() == [False, False]  # no flag when it fits
+    _, state = call(state, x[:, 16:17])
+    assert np.asarray(state["cache"]["overflow"]).tolist() == [True, True]  # the 17th token: flagged
+    assert np.asarray(state["cache"]["lengths"]).tolist() == [16, 16]
+    flag = jax.jit(lambda s, x: cache_overflow(apply(s, x)[1]["cache"]))(empty, x[:, :3])  # read under jit
+    assert np.asarray(flag).tolist() == [False, False]
+
+
+def test_overflow_flag_of_a_model():
+    model = LinenDecoder(PQMultiHeadDotProductAttention, {"cache_spec": CacheSpec("pq", impl="xla"), "num_kv_heads": HKV},
+                         decode=True)
+    tok = jnp.asarray(np.random.default_rng(7).integers(0, VOCAB, (2, 3)), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), tok)["params"]
+    variables = {"params": params, CODEBOOK_COLLECTION: linen_codebooks(random_books(2, HKV, HEAD_DIM, M=4, nbits=4),
+                                                                        [("attn_0",), ("attn_1",)])}
+    _, state = model.apply(variables, jnp.zeros((2, 4), jnp.int32), mutable=["cache"])
+    step = jax.jit(lambda state, tok, i: model.apply({**variables, **state}, tok, i, mutable=["cache"]))
+    _, state = step(state, tok, jnp.int32(0))
+    assert np.asarray(cache_overflow(state["cache"])).tolist() == [False, False]
+    _, state = step(state, tok[:, :2], jnp.int32(3))  # 3 + 2 > 4
+    assert np.asarray(cache_overflow(state["cache"])).tolist() == [True, True]
+    assert np.asarray(cache_overflow(state)).tolist() == [True, True]  # the whole mutable state works too
+    with pytest.raises(ValueError, match="no PQ attention cache"):
+        cache_overflow({"params": params})

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from million_jax import CacheSpec
+from million_jax import CacheOverflowError, CacheSpec
 from million_jax.quant.codebook_io import load_kv_codebooks, save_kv_codebooks
-from million_jax.flax import PQCodebook, PQMultiHeadAttention, attach_codebooks, calibrate_nnx, pq_layers
+from million_jax.flax import (PQCodebook, PQMultiHeadAttention, attach_codebooks, cache_overflow, calibrate_nnx,
+                              pq_layers)
 
 from flax_models import (D_MODEL, HEADS, VOCAB, NNXDecoder, assert_nearest_codes, project, random_books, stored_codes,
                           reference_attention, to_np)
@@ -149,3 +150,51 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="codebooks given twice"):
         PQMultiHeadAttention(HEADS, D_MODEL, num_kv_heads=HKV, codebooks=books, cache_spec=CacheSpec("pq", codebooks=books),
                              rngs=nnx.Rngs(0))
+
+
+def test_overflow_raises_eagerly_and_flags_under_jit():
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((2, 17, D_MODEL)), jnp.float32)
+    eager = _layer(seed=4)
+    eager.init_cache((2, 16, D_MODEL))
+    eager(x[:, :10])
+    with pytest.raises(CacheOverflowError, match=r"max_length=16 .* cannot take 7 more tokens \(17 asked for"):
+        eager(x[:, 10:17])
+    assert np.asarray(eager.lengths[...]).tolist() == [10, 10]  # nothing was written
+    eager(x[:, 10:16])  # exactly full: fine
+    assert not np.asarray(eager.overflow[...]).any()
+    with pytest.raises(CacheOverflowError, match=r"PQMultiHeadAttention: .*max_length=16 .* 1 more token \("):
+        eager(x[:, 16:17])
+
+    jitted = _layer(seed=4)
+    jitted.init_cache((2, 16, D_MODEL))
+    call = nnx.jit(lambda m, x: (m(x), cache_overflow(m)))
+    _, flag = call(jitted, x[:, :16])
+    assert np.asarray(flag).tolist() == [False, False]  # 16 tokens fit a 16-token cache
+    _, flag = call(jitted, x[:, 16:17])
+    assert np.asarray(flag).tolist() == [True, True]  # the 17th token: flagged, read under jit
+    assert np.asarray(jitted.overflow[...]).tolist() == [True, True]
+    assert np.asarray(jitted.lengths[...]).tolist() == [16, 16]
+    jitted.init_cache((2, 16, D_MODEL))  # a new cache clears the flag
+    assert not np.asarray(cache_overflow(jitted)).any()
+
+
+def test_overflow_flag_of_a_model_with_split_state():
+    model = NNXDecoder(PQMultiHeadAttention, cache_spec=CacheSpec("pq", impl="xla"))
+    attach_codebooks(model, random_books(2, HKV, HEAD_DIM, M=4, nbits=4, seed=5))
+    model.init_cache(2, 4)
+    graphdef, params, books, cache = nnx.split(model, nnx.Param, PQCodebook, nnx.Cache)
+
+    @jax.jit
+    def step(params, books, cache, tok, start):
+        m = nnx.merge(graphdef, params, books, cache)
+        logits = m(tok, start=start, decode=True)
+        return logits, nnx.state(m, nnx.Cache)
+
+    tok = jnp.asarray(np.random.default_rng(5).integers(0, VOCAB, (2, 3)), jnp.int32)
+    _, cache = step(params, books, cache, tok, jnp.int32(0))
+    assert np.asarray(cache_overflow(cache)).tolist() == [False, False]
+    _, cache = step(params, books, cache, tok[:, :2], jnp.int32(3))  # 3 + 2 > 4
+    assert np.asarray(cache_overflow(cache)).tolist() == [True, True]
+    with pytest.raises(ValueError, match="no PQ attention cache"):
+        cache_overflow(NNXDecoder(PQMultiHeadAttention))
