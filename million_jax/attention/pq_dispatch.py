@@ -36,10 +36,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from million_jax.attention.layer_slice import ArrayOrSlice, as_array
-from million_jax.attention.pq_xla import attend_codes_xla, check_code_fit
+from million_jax.attention.pq_xla import check_code_fit, pq_attention_xla
 from pallas_kernels import KernelPlan, plan_pq_kernel, pq_decode_attention_planned, pq_dims
 
-__all__ = ["IMPLS", "KernelMesh", "attend_codes", "check_impl", "kernel_plan", "pq_code_attention"]
+__all__ = ["IMPLS", "KernelMesh", "check_impl", "kernel_plan", "pq_code_attention"]
 
 IMPLS = ("auto", "xla", "pallas")
 
@@ -146,45 +146,28 @@ def pq_code_attention(
     mesh: KernelMesh | None = None,
     scale: float | None = None,
     rope_inv_freq: jax.Array | None = None,
+    check_codes: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of q float[B, T, H, d] over codes uint[B, Hkv, N, M] for lo <= s < hi.
 
     k_codes / v_codes: arrays or :class:`~million_jax.attention.layer_slice.LayerSlice` views of a
     stacked cache (the xla path reads its tiles in place; the kernel gets the layer as an array).
     k_books / v_books: float[G, M, K, dsub], G in {1, Hkv}; lo, hi: int32[B, T]. The codes
-    must fit their codebooks (width M, or M packed codes of log2 K bits): ValueError otherwise
-    (:func:`attend_codes` is the same without that check, for the PQ cache, which makes it
-    once in ``layer_consts``).
+    must fit their codebooks (width M, or M packed codes of log2 K bits): ValueError otherwise;
+    ``check_codes=False`` skips that check for callers that made it once (the PQ cache, in
+    ``layer_consts``).
     scale: score scale (default 1 / sqrt(d)).
     rope_inv_freq: float32[M] or None: keys quantized before RoPE (sub-space m = RoPE pair m,
       code row s = absolute position s; :func:`million_jax.attention.pq_xla.pq_attention_xla`).
     Returns (out f32[B, T, H, d], lse f32[B, T, H]), 0 / -inf for a query that sees nothing.
     """
-    check_code_fit(q.shape[-1], k_codes, v_codes, k_books, v_books)
-    return attend_codes(q, k_codes, v_codes, k_books, v_books, lo, hi, impl=impl, mesh=mesh, scale=scale,
-                        rope_inv_freq=rope_inv_freq)
-
-
-def attend_codes(
-    q: jax.Array,
-    k_codes: ArrayOrSlice,
-    v_codes: ArrayOrSlice,
-    k_books: jax.Array,
-    v_books: jax.Array,
-    lo: jax.Array,
-    hi: jax.Array,
-    *,
-    impl: str = "auto",
-    mesh: KernelMesh | None = None,
-    scale: float | None = None,
-    rope_inv_freq: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """:func:`pq_code_attention` for codes already checked against their codebooks (the PQ
-    cache's entry): the one decision kernel or xla, then that path."""
+    if check_codes:
+        check_code_fit(q.shape[-1], k_codes, v_codes, k_books, v_books)
     plan = kernel_plan(impl, q, k_codes, v_codes, k_books, v_books, mesh, rope=rope_inv_freq is not None)
     if plan is not None:
         k_codes, v_codes = as_array(k_codes), as_array(v_codes)
         out, lse = _kernel(plan, q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0],
                            jnp.maximum(hi[:, 0], lo[:, 0]), mesh, scale, rope_inv_freq)
         return out[:, None], lse[:, None]
-    return attend_codes_xla(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale, rope_inv_freq=rope_inv_freq)
+    return pq_attention_xla(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale, rope_inv_freq=rope_inv_freq,
+                            check_codes=False)

@@ -50,30 +50,11 @@ from pallas_kernels.pq_math import (
 )
 from pallas_kernels.softmax import einsum_f32, group_heads
 
-__all__ = ["pq_attention_xla", "attend_codes_xla", "check_code_fit", "LUT_MAX_QUERIES"]
+__all__ = ["pq_attention_xla", "check_code_fit", "LUT_MAX_QUERIES"]
 
 # With at most this many queries per call the key scores come from the LUT;
 # above it a tile of keys is decoded and multiplied (prefill).
 LUT_MAX_QUERIES = 8
-
-
-def pq_attention_xla(
-    q: jax.Array,
-    k_codes: jax.Array,
-    v_codes: jax.Array,
-    k_centroids: jax.Array,
-    v_centroids: jax.Array,
-    lo: jax.Array,
-    hi: jax.Array,
-    *,
-    scale: float | None = None,
-    tile: int = 512,
-    rope_inv_freq: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Softmax attention of q over tokens stored as PQ codes (see module docstring)."""
-    check_code_fit(q.shape[-1], k_codes, v_codes, k_centroids, v_centroids)
-    return attend_codes_xla(q, k_codes, v_codes, k_centroids, v_centroids, lo, hi, scale=scale, tile=tile,
-                            rope_inv_freq=rope_inv_freq)
 
 
 def check_code_fit(d: int, k_codes, v_codes, k_centroids, v_centroids) -> None:
@@ -94,7 +75,7 @@ def check_code_fit(d: int, k_codes, v_codes, k_centroids, v_centroids) -> None:
         raise ValueError(f"key codes {k_codes.shape} and value codes {v_codes.shape} differ in [B, Hkv, N]")
 
 
-def attend_codes_xla(
+def pq_attention_xla(
     q: jax.Array,
     k_codes: jax.Array,
     v_codes: jax.Array,
@@ -106,9 +87,14 @@ def attend_codes_xla(
     scale: float | None = None,
     tile: int = 512,
     rope_inv_freq: jax.Array | None = None,
+    check_codes: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """:func:`pq_attention_xla` without the codes-vs-codebooks check (for callers that made it
-    once, e.g. the PQ cache in ``layer_consts``)."""
+    """Softmax attention of q over tokens stored as PQ codes (see module docstring).
+
+    check_codes: check the codes against their codebooks (:func:`check_code_fit`); False for
+    callers that did it once already (the PQ cache, in ``layer_consts``)."""
+    if check_codes:
+        check_code_fit(q.shape[-1], k_codes, v_codes, k_centroids, v_centroids)
     b, t, h, d = q.shape
     hkv = k_codes.shape[1]
     n = k_codes.shape[2]

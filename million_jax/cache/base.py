@@ -160,8 +160,12 @@ class KVCache:
         """Stored bits per key / value element: what the arrays with a token axis hold per
         token (codes and their per-token statistics), divided by the d elements of a key / value.
         Fixed-size parts (exact sinks and window, staging buffers, lengths) are not per token
-        and not counted; :meth:`nbytes` counts everything."""
-        raise NotImplementedError(f"{type(self).__name__} does not count its bits per element")
+        and not counted; :meth:`nbytes` counts everything. Default: the layer state's own
+        ``bits_per_element`` (the dense layers state theirs)."""
+        bits = getattr(type(self.layers), "bits_per_element", None)
+        if bits is None:
+            raise NotImplementedError(f"{type(self).__name__} does not count its bits per element")
+        return self.layers.bits_per_element
 
     def bytes_per_token(self) -> float:
         """Bytes one more token of capacity costs: keys + values of every layer and KV head

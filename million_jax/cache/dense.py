@@ -82,10 +82,6 @@ class DenseCache(KVCache):
     layers: DenseLayer
     lengths: jax.Array
 
-    @property
-    def bits_per_element(self) -> KVBits:
-        return self.layers.bits_per_element
-
     @classmethod
     def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
                dtype: Any = jnp.bfloat16) -> "DenseCache":

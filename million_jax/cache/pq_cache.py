@@ -56,7 +56,7 @@ from million_jax.attention.exact import tiled_dense_attention
 from million_jax.cache.base import CACHE_DIMS, Writes, check_cache_args, kept_tokens, register_cache, token_rows
 from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
 from pallas_kernels.code_packing import is_packed, pack_codes, stored_width
-from million_jax.attention.pq_dispatch import KernelMesh, attend_codes, check_impl
+from million_jax.attention.pq_dispatch import KernelMesh, check_impl, pq_code_attention
 from million_jax.quant.kv_transforms import apply_head_transform
 from million_jax.quant.pq import Codebooks, code_dtype
 from million_jax.quant.kv_codebooks import PQCodebooks
@@ -112,7 +112,7 @@ class PQLayer(ExactWindowLayer):
         """q float[B, T, H, d] over the stored tokens and the new k, v (float[B, T, Hkv, d]).
 
         consts: this layer's codebooks (centroids float32[G, M, K, dsub]). Stored codes are read
-        by :func:`~million_jax.attention.pq_dispatch.attend_codes` (checked once, in ``layer_consts``); the call's own tokens are
+        by :func:`~million_jax.attention.pq_dispatch.pq_code_attention` (checked once, in ``layer_consts``); the call's own tokens are
         encoded, and where they fall in the code region read from their decoded codes.
         Returns (out float[B, T, H, d] in q.dtype, the writes of their codes and exact rows).
         """
@@ -134,8 +134,9 @@ class PQLayer(ExactWindowLayer):
         lo, hi = self.code_region(pos, lengths + n_new)
         qc = qc if consts.query_transform is None else apply_head_transform(qc, consts.query_transform)
         qc = tile_query(qc, stages)  # residual codes read as plain PQ (million_jax.quant.residual_pq)
-        stored = attend_codes(qc, self.k_codes, self.v_codes, kcb, vcb, lo, jnp.minimum(hi, lengths[:, None]),
-                                   impl=self.impl, mesh=self.mesh, scale=scale, rope_inv_freq=freqs)
+        stored = pq_code_attention(qc, self.k_codes, self.v_codes, kcb, vcb, lo, jnp.minimum(hi, lengths[:, None]),
+                                   impl=self.impl, mesh=self.mesh, scale=scale, rope_inv_freq=freqs,
+                                   check_codes=False)  # checked once, in layer_consts
         new_k = gather_centroids(kcb, new_kc)  # [B, Hkv, T, S * d]
         if freqs is not None:  # the new tokens' decoded keys turned to their own positions,
             cos, sin = code_rope_cos_sin(pos, freqs)  # [B, T, S * M], with the angles the code paths use

@@ -23,7 +23,6 @@ from jax import lax
 
 from million_jax.cache.base import KVCache, Writes, register_cache
 from million_jax.cache.dense import DenseCache, DenseLayer
-from million_jax.quant.uniform import KVBits
 
 __all__ = ["QueryStatsCache", "QueryStatsLayer"]
 
@@ -57,11 +56,6 @@ class QueryStatsCache(KVCache):
 
     layers: QueryStatsLayer
     lengths: jax.Array
-
-    @property
-    def bits_per_element(self) -> KVBits:
-        """As DenseCache (the query statistics have no token axis)."""
-        return self.layers.bits_per_element
 
     @classmethod
     def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
