@@ -59,6 +59,11 @@ def select_layer(books: PQCodebooks, layer: int) -> tuple[jax.Array, jax.Array]:
     extras = [name for name in ("key_transform", "value_transform") if getattr(books, name) is not None]
     if books.stages > 1:
         extras.append(f"{books.stages} residual stages")
+    if books.key_rope == "pre":
+        # flax's attention layers apply no RoPE: keys of such a model are not rotated, and
+        # codebooks of keys before RoPE would rotate their reconstructions by position
+        extras.append("keys quantized before RoPE (the Flax attention layers apply no RoPE; calibrate "
+                      "these layers with calibrate_nnx / calibrate_linen)")
     if extras:
         # the Flax layers hold bare centroids: dropping these would read the codes wrongly
         raise ValueError(f"the Flax PQ layers take plain codebooks; these have {', '.join(extras)} "

@@ -101,3 +101,13 @@ def test_finetuning_pre_rope_codebooks_is_refused():
     z = np.zeros((L, HKV, 1, 4, D), np.float32)
     with pytest.raises(ValueError, match="not implemented for keys quantized before RoPE"):
         finetune_codebooks(books, z, z[:, :, 0], z[:, :, 0], np.arange(4), window=4, key=jax.random.key(0))
+
+
+def test_flax_layers_refuse_pre_rope_codebooks():
+    """The Flax attention layers apply no RoPE: pre-RoPE codebooks would rotate their keys."""
+    from million_jax.flax.pq_layer import select_layer
+
+    books = _fit(np.random.default_rng(6), rope_inv_freq=rope.rope_inv_freq(D, 10000.0))
+    with pytest.raises(ValueError, match="keys quantized before RoPE"):
+        select_layer(books, 0)
+    assert select_layer(_fit(np.random.default_rng(6)), 0)[0].shape == (HKV, D // 2, 16, 2)
