@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 
 from million_app import progress
-from million_app.calibrate import (DEFAULT_KEY_ROPE, calibration_kvq, calibration_kvq_samples, codebook_metadata,
+from million_app.calibrate import (calibration_kvq, calibration_kvq_samples, codebook_metadata,
                                    default_calibration_windows, fit_model_codebooks, kmeans_problem_summary,
                                    parse_windows, save_model_codebooks)
-from million_app.commands.flag_groups import TEXT_HELP, model_args, text_args
+from million_app.commands.flag_groups import TEXT_HELP, check_rope_subspaces, model_args, rope_arg, text_args
 from million_app.corpus import text_hash
 from million_app.errors import UsageError
 from million_app.flags import check_codebook_settings, check_positions, check_positive, load_text
@@ -15,7 +15,6 @@ from million_app.loading import model_name, open_model, tokenize
 from million_app.recipes import fit_recipe, recipe_for_bits
 from million_app.report import check_writable, human_bytes
 from million_jax.quant.kv_codebooks import GRANULARITIES
-from million_jax.quant.codebook_io import KEY_ROPE
 from million_jax.quant.pq import MAX_NBITS, MIN_NBITS
 from models.llama import rope_inv_freq
 
@@ -28,10 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, help=TEXT_HELP)
     text_args(p)
     p.add_argument("--tokens", type=int, default=16384, help="calibration tokens (default 16384)")
-    p.add_argument("--rope", choices=KEY_ROPE, default=DEFAULT_KEY_ROPE,
-                   help="quantize keys before RoPE (pre, default: one sub-space per RoPE pair, codebooks "
-                        "serve every position, rotation applied inside attention) or after it (post, "
-                        "MILLION's choice: codebooks serve the positions they were calibrated on)")
+    rope_arg(p)
     p.add_argument("--bits", type=int, choices=(1, 2, 3, 4),
                    help="stored bits per K/V element: picks the best measured recipe for --rope (key/value "
                         "budgets, query-aware keys for post); not with --M/--nbits")
@@ -75,9 +71,8 @@ def run(args: argparse.Namespace) -> int:
     M = args.M or d // 2
     if d % M:
         raise UsageError(f"--M {M} does not divide the model's head_dim {d}")
-    if args.rope == "pre" and recipe is None and M != d // 2:
-        raise UsageError(f"--rope pre quantizes keys per RoPE pair: --M must be head_dim / 2 = {d // 2} "
-                         f"(got {M}); set the budget with --nbits, or use --rope post")
+    if recipe is None:
+        check_rope_subspaces(args.rope, M, d)
     check_codebook_settings(nbits, args.max_vectors)
     ids = tokenize(model, text)
     progress.status(f"calibration text {args.text}: {len(ids)} tokens, using up to {args.tokens}")

@@ -16,7 +16,7 @@ import time
 from million_app import progress
 from million_app import caches
 from million_jax.cache.spec import CacheSpec
-from million_app.commands.flag_groups import model_args
+from million_app.commands.flag_groups import check_rope_subspaces, model_args, rope_arg
 from million_app.calibrate import calibration_kv, fit_model_codebooks, kmeans_problem_summary
 from million_app.corpus import read_text
 from million_app.errors import UsageError
@@ -26,6 +26,7 @@ from million_app.loading import model_name, open_model, tokenize
 from million_app.perplexity import evaluate
 from million_app.report import check_writable, human_bytes, write_json
 from million_jax.quant.kv_codebooks import GRANULARITIES
+from models.llama import rope_inv_freq
 
 GRANULARITY_WORDS = {"shared": "one codebook for the whole model",
                     "layer": "one codebook per layer",
@@ -45,6 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--M", type=int, help="default head_dim/2 (2-dim sub-vectors)")
     p.add_argument("--nbits", type=int, default=8)
+    rope_arg(p)
     p.add_argument("--granularity", choices=GRANULARITIES, default="layer_head")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--max-vectors", type=int, default=4096)
@@ -68,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     M = args.M or cfg.head_dim // 2
     if cfg.head_dim % M:
         raise UsageError(f"--M {M} does not divide the model's head_dim {cfg.head_dim}")
+    check_rope_subspaces(args.rope, M, cfg.head_dim)
     print(f"million-jax demo: {model_name(model)} ({cfg.n_layers} layers, {cfg.n_kv_heads} KV "
           f"heads, head_dim {cfg.head_dim})")
     print(f"  calibration: first {args.calib_tokens} tokens of builtin:calib (Python docs, first "
@@ -76,18 +79,20 @@ def run(args: argparse.Namespace) -> int:
           f"{args.max_vectors} vectors each")
     print(f"    (each head vector of {cfg.head_dim} numbers is cut into M={M} pieces and each "
           f"piece stored as the {args.nbits}-bit index of its nearest k-means centroid; "
-          f"{args.granularity} = {GRANULARITY_WORDS[args.granularity]})")
+          f"{args.granularity} = {GRANULARITY_WORDS[args.granularity]}; keys quantized "
+          f"{'before RoPE, one piece per RoPE pair' if args.rope == 'pre' else 'after RoPE'})")
     print(f"  evaluation:  first {args.eval_tokens} tokens of builtin:eval (second half), "
           f"windows of {args.window}, every key/value read from codes (MILLION's protocol)")
     calib_ids = tokenize(model, read_text("builtin:calib"))
     eval_ids = tokenize(model, read_text("builtin:eval"))
 
-    k, v, used = calibration_kv(model, calib_ids, tokens=args.calib_tokens, window=args.window)
+    k, v, used = calibration_kv(model, calib_ids, tokens=args.calib_tokens, window=args.window, key_rope=args.rope)
     progress.status("k-means: " + kmeans_problem_summary(k.shape, M, args.nbits, args.granularity,
                                                          args.max_vectors))
     t0 = time.perf_counter()
     books = fit_model_codebooks(k, v, M=M, nbits=args.nbits, granularity=args.granularity,
-                                iters=args.iters, max_vectors=args.max_vectors)
+                                iters=args.iters, max_vectors=args.max_vectors,
+                                rope_inv_freq=rope_inv_freq(cfg) if args.rope == "pre" else None)
     fit_s = time.perf_counter() - t0
     del k, v
 

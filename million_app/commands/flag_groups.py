@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import argparse
 
+from million_app.calibrate import DEFAULT_KEY_ROPE
 from million_app.caches import DTYPES
+from million_app.errors import UsageError
 from million_jax.cache.spec import CACHE_KINDS
+from million_jax.quant.codebook_io import KEY_ROPE
 
 TEXT_HELP = "a UTF-8 text file, or builtin:calib / builtin:eval (halves of Python's pydoc_data docs)"
 
@@ -47,3 +50,18 @@ def cache_args(p: argparse.ArgumentParser, default_protocol: str) -> None:
     g.add_argument("--sinks", type=int, help="realistic: exact first tokens (default 0)")
     cache_dtype_arg(g)
     p.set_defaults(default_protocol=default_protocol)
+
+
+def rope_arg(p: argparse.ArgumentParser) -> None:
+    """``--rope pre|post``: keys quantized before RoPE (default) or after it (MILLION)."""
+    p.add_argument("--rope", choices=KEY_ROPE, default=DEFAULT_KEY_ROPE,
+                   help="quantize keys before RoPE (pre, default: one sub-space per RoPE pair, codebooks "
+                        "serve every position, rotation applied inside attention) or after it (post, "
+                        "MILLION's choice: codebooks serve the positions they were calibrated on)")
+
+
+def check_rope_subspaces(rope: str, M: int, head_dim: int) -> None:
+    """UsageError unless ``M`` sub-spaces suit keys quantized ``rope`` RoPE (pre: one per pair)."""
+    if rope == "pre" and M != head_dim // 2:
+        raise UsageError(f"--rope pre quantizes keys per RoPE pair: --M must be head_dim / 2 = {head_dim // 2} "
+                         f"(got {M}); set the budget with --nbits, or use --rope post")
