@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+import pytest
 
 _SCRIPT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -15,6 +16,7 @@ _SCRIPT = os.path.join(
 )
 
 
+@pytest.mark.slow
 def test_gpu_attention_tiny_smoke(tmp_path) -> None:
     spec = importlib.util.spec_from_file_location("gpu_attention_bench", _SCRIPT)
     mod = importlib.util.module_from_spec(spec)

@@ -147,6 +147,7 @@ def test_default_launch_config_runs() -> None:
     num_splits=st.integers(1, 4),
     seed=st.integers(0, 2**31 - 1),
 )
+@pytest.mark.slow
 def test_random_shapes_match_reference(
     batch, num_kv_heads, group, dims, nbits, seq_len, shared, block_t, num_splits, seed
 ) -> None:
