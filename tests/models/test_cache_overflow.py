@@ -2,6 +2,7 @@
 jitted entry points donate the cache."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from million_jax import CacheOverflowError, CacheSpec, make_cache
