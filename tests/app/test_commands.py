@@ -7,6 +7,7 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from million_app import progress
 from million_app.caches import beyond_calibration
@@ -17,6 +18,7 @@ from models import generate, init_cache, load_model
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_sweep_writes_table_json_and_plot(cli, tiny_dir, tmp_path):
     out = tmp_path / "sweep"
     res = cli("sweep", "--model", tiny_dir, "--calib", "builtin:calib", "--text", "builtin:eval",

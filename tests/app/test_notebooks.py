@@ -9,18 +9,27 @@ import pytest
 import nbclient
 import nbformat
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "notebooks"
 
 
 def execute(name: str):
+    """Run a notebook in a fresh kernel that imports this checkout's packages (the kernel's
+    cwd is notebooks/, so without PYTHONPATH it would import whatever copy is installed)."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    saved = {k: os.environ.get(k) for k in ("MILLION_JAX_SMALL", "PYTHONPATH")}
     os.environ["MILLION_JAX_SMALL"] = "1"
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
     try:
         client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                          resources={"metadata": {"path": str(NOTEBOOKS)}})
         client.execute()
     finally:
-        os.environ.pop("MILLION_JAX_SMALL", None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return nb
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from million_jax import CacheOverflowError, CacheSpec, make_cache
-from models import check_room, decode_step, prefill
+from models import check_room, decode_step, forward, prefill
 
 
 def _spec(kind, books):
