@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     if recipe is not None and recipe.finetune is not None:
         if len(windows) > 1:
             raise UsageError(f"recipe {recipe.name} fine-tunes on one window length: give one --window")
-        k, v, gram, count, q, q_pos, used = calibration_kvq_samples(  # fine-tuning: post-RoPE onlymodel, ids, tokens=args.tokens,
+        # fine-tuning recipes are post-RoPE only (fit_recipe refuses the others)
+        k, v, gram, count, q, q_pos, used = calibration_kvq_samples(model, ids, tokens=args.tokens,
                                                                     window=windows[0], batch=args.batch,
                                                                     seed=args.seed)
         queries = (q, q_pos, windows[0])

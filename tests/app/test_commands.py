@@ -80,10 +80,10 @@ def test_passkey_prompt_and_answer_parsing(tiny_dir):
     assert first_number(" 48213. Remember") == 48213 and first_number("none") is None
 
 
-def test_passkey_command(cli, tiny_dir, codebooks, tmp_path):
+def test_passkey_command(cli, tiny_dir, post_codebooks, tmp_path):
     out = tmp_path / "pk.json"
     res = cli("passkey", "--model", tiny_dir, "--lengths", "400", "--trials", 2, "--cache", "pq",
-              "--codebooks", codebooks, "--json", out, "--quiet")
+              "--codebooks", post_codebooks, "--json", out, "--quiet")
     assert res.rc == 0, res.err
     r = json.loads(out.read_text())
     assert r["lengths"] == [400] and set(r["results"]) == {"dense bfloat16", "pq M=8 nbits=6 layer_head"} \
@@ -92,7 +92,7 @@ def test_passkey_command(cli, tiny_dir, codebooks, tmp_path):
         assert len(runs) == 1 and len(runs[0]["trials"]) == 2
         assert runs[0]["accuracy"] == sum(t["correct"] for t in runs[0]["trials"]) / 2
     assert "| 400 |" in res.out
-    # the codebooks were calibrated on 256-token windows: a warning names it, even with --quiet
+    # post-RoPE codebooks calibrated on 256-token windows: a warning names it, even with --quiet
     assert "warning: the codebooks" in res.err and "windows of 256 tokens" in res.err and "--window 400" in res.err
 
 

@@ -95,7 +95,7 @@ def test_pq_all_vs_realistic(cli, tiny_dir, codebooks, tmp_path):
     # codes only: 2 (K, V) * L * Hkv * T * (8 * 6 / 8 bytes) + lengths; dense float32 for comparison
     assert r["cache_bytes"] == 2 * 2 * 2 * 64 * 6 + 4
     assert r["dense_cache_bytes"] == 2 * 2 * 2 * 64 * 16 * 4 + 4
-    assert r["codebook_bytes"] == 2 * 2 * 2 * 8 * 64 * 2 * 4
+    assert r["codebook_bytes"] == 2 * 2 * 2 * 8 * 64 * 2 * 4 + 8 * 4  # + the RoPE frequencies (pre-RoPE keys)
     assert runs["exact"]["recent"] == 64 and runs["exact"]["cache_bytes"] > r["cache_bytes"]
     assert r["model_fingerprint"] and r["environment"]["backend"] == jax.default_backend()
 
