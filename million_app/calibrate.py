@@ -169,13 +169,16 @@ def codebook_metadata(model: LoadedModel, books: PQCodebooks, *, calib_windows: 
     return meta
 
 
-def save_model_codebooks(path: str, books: PQCodebooks, meta: dict, flag: str = "--out") -> None:
+def save_model_codebooks(path: str, books: PQCodebooks, meta: dict, flag: str = "--out", *,
+                         force: bool = False, doing: str = "calibrating") -> None:
     """Write key/value codebooks and their metadata (see :func:`codebook_metadata`).
 
     Atomic: a failure or Ctrl-C leaves no partial file and an existing ``path`` as it was.
+    Without ``force`` an existing ``path`` (also one that appeared while ``doing``) is never
+    replaced: UsageError instead (:func:`million_app.report.atomic_path`).
     """
     check_out_dir(path, flag)
-    with atomic_path(path, flag) as tmp:
+    with atomic_path(path, flag, force=force, doing=doing) as tmp:
         save_kv_codebooks(tmp, books, meta, atomic=False)
 
 
