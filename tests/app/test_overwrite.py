@@ -90,7 +90,7 @@ def test_calibrate_out_that_appears_meanwhile_is_not_replaced(error_line, cli, t
 def test_sweep_rerun_keeps_finished_results_until_it_completes(error_line, cli, tiny_dir, tmp_path, monkeypatch):
     out = tmp_path / "sweep"
     out.mkdir()
-    old = {name: os.urandom(24) for name in sweep_lib.RESULT_FILES}
+    old = {name: os.urandom(24) for name in ("results.json", "results.md", "ppl_vs_bits.png")}
     for name, data in old.items():
         (out / name).write_bytes(data)
     monkeypatch.setattr(sweep_lib, "UNIFORM_GRID", (("kivi", 4),))
