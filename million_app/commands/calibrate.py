@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                                                              args.max_vectors)
                         + f", {args.iters} iterations")
     else:
-        progress.status(f"recipe {recipe.name} for --bits {args.bits} --rope {args.rope}: {recipe}")
+        progress.status(f"recipe {recipe.name} for --bits {args.bits} --rope {args.rope}: {recipe.describe()}")
     with progress.timed("fitting codebooks") as t:
         if recipe is None:
             books = fit_model_codebooks(k, v, M=M, nbits=nbits, granularity=args.granularity,
