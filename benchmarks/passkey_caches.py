@@ -87,7 +87,7 @@ def main() -> None:
                                  "accuracy": (sum(x["correct"] for x in rows[name][n]) / len(rows[name][n])
                                               if rows[name][n] else None),
                                  "seconds": round(sum(x["seconds"] for x in rows[name][n]), 1),
-                                 "trials": rows[name][n]} for n in lengths]})
+                                 "trials": rows[name][n]} for n in lengths]}, force=True)  # rewritten per trial
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def main() -> None:
                 print(f"  {name:5s} {space:14s} " + " ".join(f"{e:.4f}" for e in row[name][space]), flush=True)
     if a.json:
         write_json(a.json, {"model": a.model, "text": a.text, "window": a.window, "bucket": a.bucket,
-                            "rows": rows})
+                            "rows": rows}, force=True)
 
 
 if __name__ == "__main__":

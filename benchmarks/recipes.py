@@ -82,7 +82,7 @@ def main() -> None:
             save_model_codebooks(os.path.join(a.save_books, f"{name}.safetensors"), books, codebook_metadata(
                 model, books, calib_text=a.calib, calib_tokens=used,
                 calib_windows=calib_windows, seed=a.seed, iters=a.iters, max_vectors=a.max_vectors, recipe=name),
-                flag="--save-books")
+                flag="--save-books", force=True)
         for protocol in protocols:
             r = evaluate(model, eval_ids, CacheSpec("pq", codebooks=books, **settings[protocol]), **ev)
             res["rows"].append({"recipe": name if len(protocols) == 1 else f"{name} [{protocol}]",

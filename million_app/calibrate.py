@@ -169,13 +169,16 @@ def codebook_metadata(model: LoadedModel, books: PQCodebooks, *, calib_windows: 
     return meta
 
 
-def save_model_codebooks(path: str, books: PQCodebooks, meta: dict, flag: str = "--out") -> None:
+def save_model_codebooks(path: str, books: PQCodebooks, meta: dict, flag: str = "--out", *,
+                         force: bool = False, doing: str = "calibrating") -> None:
     """Write key/value codebooks and their metadata (see :func:`codebook_metadata`).
 
     Atomic: a failure or Ctrl-C leaves no partial file and an existing ``path`` as it was.
+    Without ``force`` an existing ``path`` (also one that appeared while ``doing``) is never
+    replaced: UsageError instead (:func:`million_app.report.atomic_path`).
     """
     check_out_dir(path, flag)
-    with atomic_path(path, flag) as tmp:
+    with atomic_path(path, flag, force=force, doing=doing) as tmp:
         save_kv_codebooks(tmp, books, meta, atomic=False)
 
 
@@ -188,11 +191,17 @@ def load_model_codebooks(path: str, model: LoadedModel) -> tuple[PQCodebooks, di
     try:
         books, meta = load_kv_codebooks(path, expect=expect)
     except CodebookFileError as e:
-        hint = ""
-        if "does not match expected" in str(e):
-            hint = (f" (these codebooks were calibrated for {meta_source(path)}; run "
-                    "`million-jax calibrate` with this model)")
-        raise UsageError(f"{e}{hint}") from None
+        if "does not match expected" not in str(e):
+            raise UsageError(str(e)) from None
+        user = _user_metadata(path)
+        missing = [k for k in expect if k not in user]
+        if missing:
+            raise UsageError(f"{path}: K/V codebooks saved without the model metadata `million-jax calibrate` "
+                             f"records (no {', '.join(missing)}), so they cannot be checked against "
+                             f"{model.source}; calibrate with `million-jax calibrate --model {model.source}`"
+                             ) from None
+        raise UsageError(f"{e} (these codebooks were calibrated for {meta_source(path)}; run "
+                         "`million-jax calibrate` with this model)") from None
     try:
         books.check(c.n_layers, c.n_kv_heads, c.head_dim)
     except ValueError as e:
@@ -203,16 +212,26 @@ def load_model_codebooks(path: str, model: LoadedModel) -> tuple[PQCodebooks, di
     return books, meta
 
 
-def meta_source(path: str) -> str:
-    """The model a codebook file says it belongs to (best effort, for error messages)."""
+def _user_metadata(path: str) -> dict:
+    """The user metadata of a codebook file ({} if unreadable; only used to word errors)."""
     try:
         from safetensors import safe_open
 
         with safe_open(path, framework="numpy") as f:
             user = json.loads((f.metadata() or {}).get("million_jax", "{}")).get("user", {})
-        return f"model {user.get('model_source', '?')} (fingerprint {user.get('model_fingerprint', '?')})"
+        return user if isinstance(user, dict) else {}
     except Exception:  # noqa: BLE001 - only used to word an error message
-        return "another model"
+        return {}
+
+
+def meta_source(path: str) -> str:
+    """The model a codebook file says it belongs to (best effort, for error messages)."""
+    user = _user_metadata(path)
+    name = user.get("model_source")
+    fp = user.get("model_fingerprint")
+    if name is None and fp is None:
+        return "a model the file does not name"
+    return (f"model {name}" if name is not None else "an unnamed model") + (f" (fingerprint {fp})" if fp else "")
 
 
 # ---------------------------------------------------------------------------- pipeline

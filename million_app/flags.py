@@ -105,6 +105,8 @@ def cache_spec(args: argparse.Namespace, model: LoadedModel) -> tuple[CacheSpec,
     if args.uniform_mode == "token" and args.group_size is not None:
         raise UsageError("--group-size applies to --uniform-mode kivi (token mode has one "
                          "scale per token)")
+    if args.cache == "uniform" and args.bits is None:
+        raise UsageError("--cache uniform needs --bits (2, 4 or 8 bits per stored element)")
     if args.cache == "pq" and args.codebooks is None:
         raise UsageError("--cache pq needs --codebooks FILE (make one with `million-jax calibrate`)")
     flags = " ".join(f"{flag} {val}" for flag, val in (

@@ -84,7 +84,7 @@ def passkey_eval(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequen
         depths = [(i + 0.5) / trials for i in range(trials)]
         prompts = [passkey_prompt(model, length, k, d) for k, d in zip(keys, depths)]
         for spec in specs:
-            progress.status(f"passkey length {length}: {caches.label(spec)} ({trials} prompts)")
+            progress.status(f"passkey length {length}: {caches.label(spec)} ({trials} prompt{'' if trials == 1 else 's'})")
             rows = run_trials(model, prompts, keys, spec, min(batch, trials))
             for r, d in zip(rows, depths):
                 r["depth"] = d

@@ -77,6 +77,21 @@ class Recipe:
     def bits_per_element(self) -> float:
         return self.stages * (self.key_nbits / self.key_dsub + self.value_nbits / self.value_dsub) / 2
 
+    def describe(self) -> str:
+        """One readable line: 'keys 2-dim sub-vectors x 8 bits, query-aware; values ...; 4.00 bits/elem'."""
+        def part(what: str, dsub: int, nbits: int, transform: str | None) -> str:
+            return f"{what} {dsub}-dim sub-vectors x {nbits} bits" + (f", {transform}" if transform else "")
+
+        text = "; ".join((part("keys", self.key_dsub, self.key_nbits, "query-aware" if self.query_aware else None),
+                          part("values", self.value_dsub, self.value_nbits,
+                               "output-aware" if self.output_aware else None)))
+        text += f"; keys quantized {'before' if self.rope == 'pre' else 'after'} RoPE"
+        if self.stages > 1:
+            text += f"; {self.stages} residual stages"
+        if self.finetune_steps:
+            text += f"; centroids fine-tuned {self.finetune_steps} steps"
+        return f"{text} ({self.bits_per_element:.2f} bits/elem)"
+
     def budgets(self, head_dim: int) -> dict[str, int]:
         """key / value M (per stage) and nbits for this head_dim (UsageError if a dsub does not divide it)."""
         for dsub in (self.key_dsub, self.value_dsub):

@@ -31,21 +31,21 @@ def check_out_dir(path: str, flag: str) -> None:
         raise UsageError(f"{flag}: directory {parent} does not exist")
 
 
-def check_writable(path: str, flag: str, *, overwrite: bool = True, force_flag: str = "--force") -> None:
+def check_writable(path: str, flag: str, *, force: bool = False, force_flag: str = "--force") -> None:
     """UsageError (one line) unless ``path`` can be written; checked before any work starts.
 
     ``path`` must not be a directory, its directory must exist and accept a new file (tried
     for real: a probe file is created and removed), and an existing file must be writable.
-    With ``overwrite=False`` an existing file is refused unless ``force_flag`` is given.
+    The overwrite rule of every command: an existing file is refused unless ``force`` (the
+    user gave ``force_flag``); the final write re-checks (:func:`atomic_path`).
     """
     if os.path.isdir(path):
         raise UsageError(f"{flag}: {path} is a directory; give a file name")
     check_out_dir(path, flag)
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.exists(path):
-        if not overwrite:
-            raise UsageError(f"{flag}: {path} already exists; pass {force_flag} to replace it "
-                             "or choose another name")
+        if not force:
+            raise UsageError(already_exists(path, flag, force_flag))
         if not os.access(path, os.W_OK):
             raise UsageError(f"{flag}: {path} is not writable")
     try:
@@ -54,6 +54,11 @@ def check_writable(path: str, flag: str, *, overwrite: bool = True, force_flag: 
         os.remove(probe)
     except OSError as e:
         raise UsageError(f"{flag}: cannot write in {parent} ({e.strerror or e})") from None
+
+
+def already_exists(path: str, flag: str, force_flag: str = "--force") -> str:
+    """The one refusal line of the overwrite rule."""
+    return f"{flag}: {path} already exists; pass {force_flag} to replace it or choose another name"
 
 
 _PARTIAL: set[str] = set()
@@ -70,34 +75,50 @@ def remove_partial_files() -> None:
 
 
 @contextmanager
-def atomic_path(path: str, flag: str) -> Iterator[str]:
-    """``with atomic_path(out, "--out") as tmp:`` write ``tmp``; it replaces ``out`` at the end.
+def atomic_path(path: str, flag: str, *, force: bool = False, doing: str = "running",
+                force_flag: str = "--force") -> Iterator[str]:
+    """``with atomic_path(out, "--out") as tmp:`` write ``tmp``; it becomes ``out`` at the end.
 
     :func:`million_jax.quant.atomic_file.atomic_file` (mode kept or umask default), plus: a Ctrl-C before
-    the replace removes the temporary file and leaves ``out`` as it was, and an OSError
-    becomes one UsageError line naming ``flag``.
+    the final rename removes the temporary file and leaves ``out`` as it was, and an OSError
+    becomes one UsageError line naming ``flag``. Without ``force`` an existing ``out`` is never
+    replaced, re-checked at the final rename (an exclusive link): a file that appeared there
+    while the command was ``doing`` its work (another run writing the same name) is kept and
+    this write fails with one UsageError line.
     """
     parent = os.path.dirname(os.path.abspath(path))
-    created = False
+    created = written = False
     try:
-        with atomic_file(path) as tmp:
+        with atomic_file(path, replace=force) as tmp:
             created = True
             _PARTIAL.add(tmp)
             try:
                 yield tmp
                 check_cancelled()
+                written = True
             finally:
                 _PARTIAL.discard(tmp)
+    except FileExistsError:
+        if not written:
+            raise
+        raise UsageError(f"{flag}: {path} appeared while {doing}; not replaced "
+                         f"(pass {force_flag} to replace it)") from None
     except OSError as e:
         where = f"write {path}" if created else f"write in {parent}"
         raise UsageError(f"{flag}: cannot {where} ({e.strerror or e})") from None
 
 
-def write_json(path: str, obj: Any, flag: str = "--json") -> None:
-    """Write ``obj`` as indented JSON, atomically (see :func:`atomic_path`)."""
+def write_json(path: str, obj: Any, flag: str = "--json", *, force: bool = False) -> None:
+    """Write ``obj`` as indented JSON, atomically (see :func:`atomic_path`; ``force``: replace
+    an existing file)."""
     check_out_dir(path, flag)
     text = json.dumps(obj, indent=2, sort_keys=False, default=_jsonable) + "\n"
-    with atomic_path(path, flag) as tmp:
+    write_text(path, text, flag, force=force)
+
+
+def write_text(path: str, text: str, flag: str, *, force: bool = False) -> None:
+    """Write ``text`` (UTF-8) atomically (see :func:`atomic_path`)."""
+    with atomic_path(path, flag, force=force) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
 

@@ -13,7 +13,10 @@ The grid (d = the model's head_dim; M = d / dsub):
 Calibration K/V are collected once from the calibration text and every PQ codebook is
 fitted from the same samples (``max_vectors`` per k-means problem, ``iters`` iterations).
 Results are written after every configuration (``results.json``, ``results.md``) and the
-plot (``ppl_vs_bits.png``) at the end.
+plot (``ppl_vs_bits.png``) at the end. Rerun into a folder that holds results (``staged``,
+the command's ``--force``), the new ones are written under ``*.partial.*`` names and moved
+over the old ones only when the whole grid has run: an interrupted rerun leaves the finished
+results (and their plot and codebooks) as they were.
 """
 from __future__ import annotations
 
@@ -30,13 +33,16 @@ from million_app.calibrate import (calibration_kv, codebook_metadata, fit_model_
 from million_app.corpus import text_hash
 from million_app.loading import model_name, tokenize
 from million_app.perplexity import eval_windows, evaluate
-from million_app.report import environment, human_bytes, write_json
+from million_app.report import environment, human_bytes, write_json, write_text
 
 # (dsub, nbits, granularity)
 PQ_GRID: tuple[tuple[int, int, str], ...] = (
     (2, 8, "shared"), (2, 8, "layer"), (2, 8, "layer_head"),
     (1, 4, "layer_head"), (2, 6, "layer_head"), (2, 4, "layer_head"), (4, 8, "layer_head"),
 )
+# what a sweep writes into its folder (codebooks: CODEBOOK_DIR/*.safetensors with --save-codebooks)
+RESULT_FILES = ("results.json", "results.md", "ppl_vs_bits.png")
+CODEBOOK_DIR = "codebooks"
 # (mode, bits)
 UNIFORM_GRID: tuple[tuple[str, int], ...] = (("kivi", 2), ("kivi", 4), ("token", 4))
 
@@ -181,9 +187,28 @@ def rewrite(out_dir: str) -> None:
     plot(results["rows"], os.path.join(out_dir, "ppl_vs_bits.png"), plot_title(results))
 
 
+def existing_outputs(out_dir: str) -> list[str]:
+    """The files of an earlier sweep in ``out_dir`` (results, plot, saved codebooks)."""
+    found = [n for n in RESULT_FILES if os.path.lexists(os.path.join(out_dir, n))]
+    books = os.path.join(out_dir, CODEBOOK_DIR)
+    if os.path.isdir(books):
+        found += sorted(os.path.join(CODEBOOK_DIR, n) for n in os.listdir(books) if n.endswith(".safetensors"))
+    return found
+
+
+def partial_name(name: str) -> str:
+    """'results.json' -> 'results.partial.json' (where a staged sweep writes until it completes)."""
+    stem, ext = os.path.splitext(name)
+    return f"{stem}.partial{ext}"
+
+
 def run_sweep(model: Any, calib_text: str, eval_text: str, s: SweepSettings, out_dir: str,
-              save_codebooks: bool = False) -> dict:
-    """Run the whole grid; returns (and writes) the results dict."""
+              save_codebooks: bool = False, staged: bool = False) -> dict:
+    """Run the whole grid; returns (and writes) the results dict.
+
+    ``staged``: write under :func:`partial_name` names and move them over the final names
+    only once the grid is complete (module docstring); a stale plot goes only then.
+    """
     cfg = model.config
     d = cfg.head_dim
     eval_ids = tokenize(model, eval_text, bos=s.bos)
@@ -204,7 +229,7 @@ def run_sweep(model: Any, calib_text: str, eval_text: str, s: SweepSettings, out
         results["rows"].append(row)
         results["details"].append(r)
         results["total_seconds"] = time.perf_counter() - t_start
-        write_outputs(results, out_dir)
+        write_outputs(results, out_dir, partial=staged)
         progress.status(f"[{len(results['rows'])}] {row['label']}: ppl {row['ppl']:.3f}, "
                         f"{row['bits_per_element']:.2f} bits/elem")
 
@@ -219,37 +244,46 @@ def run_sweep(model: Any, calib_text: str, eval_text: str, s: SweepSettings, out
     k, v, used = calibration_kv(model, calib_ids, tokens=s.calib_tokens, window=s.window,
                                 batch=s.batch)
     results["calib_tokens_used"] = used
+    moves: list[str] = []  # out_dir-relative final names of staged files
     for M, nbits, gran in pq_grid(d):
         progress.status("k-means: " + kmeans_problem_summary(k.shape, M, nbits, gran, s.max_vectors))
         t0 = time.perf_counter()
         books = fit_model_codebooks(k, v, M=M, nbits=nbits, granularity=gran, seed=s.seed,
                                     iters=s.iters, max_vectors=s.max_vectors)
         fit_s = time.perf_counter() - t0
-        path = None
+        recorded = None
         if save_codebooks:
-            os.makedirs(os.path.join(out_dir, "codebooks"), exist_ok=True)
-            path = os.path.join(out_dir, "codebooks", f"pq_M{M}_b{nbits}_{gran}.safetensors")
+            os.makedirs(os.path.join(out_dir, CODEBOOK_DIR), exist_ok=True)
+            name = os.path.join(CODEBOOK_DIR, f"pq_M{M}_b{nbits}_{gran}.safetensors")
+            path = os.path.join(out_dir, partial_name(name) if staged else name)
+            moves.append(name)
+            recorded = os.path.join(out_dir, name)  # where it is once the sweep completes
             meta = codebook_metadata(model, books, calib_text=s.calib, calib_tokens=used,
                                      calib_text_hash=text_hash(calib_text), seed=s.seed,
                                      iters=s.iters, max_vectors=s.max_vectors)
-            save_model_codebooks(path, books, meta)
+            save_model_codebooks(path, books, meta, force=True)
         r = evaluate(model, eval_ids, _spec(s, kind="pq", codebooks=books), **ev)
-        r["codebooks"] = path
+        r["codebooks"] = recorded
         record(f"pq-M{M}-b{nbits}-{gran}", r, {"M": M, "nbits": nbits, "granularity": gran, "fit_seconds": fit_s})
-    plot(results["rows"], os.path.join(out_dir, "ppl_vs_bits.png"), plot_title(results))
+    png = "ppl_vs_bits.png"
+    plot(results["rows"], os.path.join(out_dir, partial_name(png) if staged else png), plot_title(results))
+    if staged:  # the grid is complete: the new results replace the old ones now
+        for name in moves + list(RESULT_FILES):
+            os.replace(os.path.join(out_dir, partial_name(name)), os.path.join(out_dir, name))
     return results
 
 
-def write_outputs(results: dict, out_dir: str) -> None:
-    """results.json and results.md (rewritten after every configuration)."""
-    write_json(os.path.join(out_dir, "results.json"), results, "--out")
+def write_outputs(results: dict, out_dir: str, partial: bool = False) -> None:
+    """results.json and results.md (rewritten after every configuration; ``partial``: under
+    :func:`partial_name` names)."""
+    name = partial_name if partial else (lambda n: n)
+    write_json(os.path.join(out_dir, name("results.json")), results, "--out", force=True)
     s = results["settings"]
     md = markdown_table(results["rows"], s["window"], s["cache_dtype"])
-    with open(os.path.join(out_dir, "results.md"), "w", encoding="utf-8") as f:
-        f.write(f"# Sweep: {results['model']}\n\n")
-        f.write(f"Evaluation: first {s['max_tokens']} tokens of `{s['text']}`, windows of "
+    write_text(os.path.join(out_dir, name("results.md")),
+               f"# Sweep: {results['model']}\n\n"
+               f"Evaluation: first {s['max_tokens']} tokens of `{s['text']}`, windows of "
                 f"{s['window']}, protocol `{s['protocol']}`. Calibration: "
                 f"{results.get('calib_tokens_used', s['calib_tokens'])} tokens of `{s['calib']}`, "
                 f"k-means {s['iters']} iterations, at most {s['max_vectors']} vectors per "
-                f"problem.\n\n")
-        f.write(md)
+               f"problem.\n\n" + md, "--out", force=True)

@@ -7,7 +7,8 @@ from million_app import progress
 from million_app.calibrate import (calibration_kvq, calibration_kvq_samples, codebook_metadata,
                                    default_calibration_windows, fit_model_codebooks, kmeans_problem_summary,
                                    parse_windows, save_model_codebooks)
-from million_app.commands.flag_groups import TEXT_HELP, check_rope_subspaces, model_args, rope_arg, text_args
+from million_app.commands.flag_groups import (KEPT, TEXT_HELP, check_rope_subspaces, force_arg, model_args,
+                                             rope_arg, text_args)
 from million_app.corpus import text_hash
 from million_app.errors import UsageError
 from million_app.flags import check_codebook_settings, check_positions, check_positive, load_text
@@ -45,8 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "up to the longest window, default 512 and the model's context, at most 8192 and "
                         "at most half the calibration tokens)")
     p.add_argument("--batch", type=int, default=4, help="windows per forward (default 4)")
-    p.add_argument("--out", required=True, help="output .safetensors file")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--out", required=True, help=f"output .safetensors file ({KEPT})")
+    force_arg(p, "--out")
     return p
 
 
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     """Fit K/V codebooks on calibration text and save them with metadata."""
     check_positive(tokens=args.tokens, iters=args.iters, max_vectors=args.max_vectors,
                    batch=args.batch, M=args.M)
-    check_writable(args.out, "--out", overwrite=args.force)
+    check_writable(args.out, "--out", force=args.force)
     text = load_text(args.text, "--text", args)
     model = open_model(args.model)
     windows = None if args.window is None else parse_windows(args.window)
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                                                              args.max_vectors)
                         + f", {args.iters} iterations")
     else:
-        progress.status(f"recipe {recipe.name} for --bits {args.bits} --rope {args.rope}: {recipe}")
+        progress.status(f"recipe {recipe.name} for --bits {args.bits} --rope {args.rope}: {recipe.describe()}")
     with progress.timed("fitting codebooks") as t:
         if recipe is None:
             books = fit_model_codebooks(k, v, M=M, nbits=nbits, granularity=args.granularity,
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                              fit_seconds=round(t["seconds"], 2),
                              recipe=recipe.name if recipe else None,
                              finetune_steps=recipe.finetune_steps if recipe else 0)
-    save_model_codebooks(args.out, books, meta)
+    save_model_codebooks(args.out, books, meta, force=args.force, doing="calibrating")
     print(f"wrote {args.out}: {books.recipe} {books.granularity} codebooks "
           f"({meta['bits_per_element']:.2f} bits/elem, {human_bytes(books.nbytes)}) for "
           f"{model_name(model)} from {used} tokens of {args.text}")

@@ -16,7 +16,7 @@ import time
 from million_app import progress
 from million_app import caches
 from million_jax.cache.spec import CacheSpec
-from million_app.commands.flag_groups import check_rope_subspaces, model_args, rope_arg
+from million_app.commands.flag_groups import KEPT, check_rope_subspaces, force_arg, model_args, rope_arg
 from million_app.calibrate import calibration_kv, fit_model_codebooks, kmeans_problem_summary
 from million_app.corpus import read_text
 from million_app.errors import UsageError
@@ -51,7 +51,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--max-vectors", type=int, default=4096)
     p.add_argument("--new-tokens", type=int, default=40)
-    p.add_argument("--json", help="write the demo's numbers to this JSON file")
+    p.add_argument("--json", help=f"write the demo's numbers to this JSON file ({KEPT})")
+    force_arg(p, "--json")
     return p
 
 
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
                    window=args.window, iters=args.iters, max_vectors=args.max_vectors,
                    new_tokens=args.new_tokens, M=args.M)
     if args.json:
-        check_writable(args.json, "--json")
+        check_writable(args.json, "--json", force=args.force)
     t_start = time.perf_counter()
     model = open_model(args.model)
     cfg = model.config
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     total = time.perf_counter() - t_start
     print(f"\n(done in {total / 60:.1f} min; calibration k-means {fit_s:.0f} s)")
     if args.json:
-        write_json(args.json, {
+        write_json(args.json, force=args.force, obj={
             "model": model_name(model), "calib_tokens": used, "eval_tokens": args.eval_tokens,
             "M": M, "nbits": args.nbits, "granularity": args.granularity, "iters": args.iters,
             "dense": rd, "pq": rp, "memory_eval_window": {

@@ -5,7 +5,7 @@ import argparse
 
 from million_app import caches, progress
 from million_app.calibrate import model_fingerprint
-from million_app.commands.flag_groups import TEXT_HELP, cache_args, model_args, text_args
+from million_app.commands.flag_groups import KEPT, TEXT_HELP, cache_args, force_arg, model_args, text_args
 from million_app.corpus import text_hash
 from million_app.flags import cache_spec, check_positions, check_positive, load_text
 from million_app.loading import model_name, open_model, tokenize
@@ -25,7 +25,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, help="use the first N tokens (default: all)")
     p.add_argument("--batch", type=int, default=4, help="windows per forward (default 4)")
     p.add_argument("--bos", action="store_true", help="prepend one BOS token to the text")
-    p.add_argument("--json", help="write the result to this JSON file")
+    p.add_argument("--json", help=f"write the result to this JSON file ({KEPT})")
+    force_arg(p, "--json")
     return p
 
 
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     """Perplexity through one cache (MILLION's windowed protocol)."""
     check_positive(window=args.window, max_tokens=args.max_tokens, batch=args.batch)
     if args.json:
-        check_writable(args.json, "--json")
+        check_writable(args.json, "--json", force=args.force)
     text = load_text(args.text, "--text", args)
     model = open_model(args.model)
     check_positions(model, args.window, f"--window {args.window}")
@@ -51,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
           f"tokens in {r['windows']} windows of {r['window']}")
     print("  " + memory_line(r))
     if args.json:
-        write_json(args.json, r)
+        write_json(args.json, r, force=args.force)
         progress.status(f"wrote {args.json}")
     return 0

@@ -9,6 +9,8 @@ from million_app.errors import UsageError
 from million_jax.cache.spec import CACHE_KINDS
 from million_jax.quant.codebook_io import KEY_ROPE
 
+# the overwrite rule of every output flag (million_app.report.check_writable / atomic_path)
+KEPT = "an existing file is never replaced unless --force"
 TEXT_HELP = "a UTF-8 text file, or builtin:calib / builtin:eval (halves of Python's pydoc_data docs)"
 
 
@@ -65,3 +67,10 @@ def check_rope_subspaces(rope: str, M: int, head_dim: int) -> None:
     if rope == "pre" and M != head_dim // 2:
         raise UsageError(f"--rope pre quantizes keys per RoPE pair: --M must be head_dim / 2 = {head_dim // 2} "
                          f"(got {M}); set the budget with --nbits, or use --rope post")
+
+
+def force_arg(p: argparse.ArgumentParser, outputs: str) -> None:
+    """``--force``: replace existing ``outputs`` (every command refuses them otherwise)."""
+    p.add_argument("--force", action="store_true",
+                   help=f"replace {outputs} if present (without --force an existing output is kept "
+                        "and the command refuses to start)")

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from million_app import caches, progress
-from million_app.commands.flag_groups import cache_args, model_args
+from million_app.commands.flag_groups import KEPT, cache_args, force_arg, model_args
 from million_app.errors import UsageError
 from million_app.flags import cache_spec
 from million_app.generation import chat_prompt, check_fits, check_sampling, size_note, stream_generate
@@ -27,13 +27,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--json", help="write tokens/s, cache bytes and the text to this JSON file")
+    p.add_argument("--json", help=f"write tokens/s, cache bytes and the text to this JSON file ({KEPT})")
+    force_arg(p, "--json")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     if args.json:
-        check_writable(args.json, "--json")
+        check_writable(args.json, "--json", force=args.force)
     model = open_model(args.model)
     spec, source = cache_spec(args, model)
     prompt = chat_prompt(model, args.prompt) if args.chat else args.prompt
@@ -64,5 +65,5 @@ def run(args: argparse.Namespace) -> int:
         r.update(source)
         r["model"] = model_name(model)
         r["prompt"] = args.prompt
-        write_json(args.json, r)
+        write_json(args.json, r, force=args.force)
     return 0

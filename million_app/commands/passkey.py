@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from million_app import caches, progress
-from million_app.commands.flag_groups import cache_args, model_args
+from million_app.commands.flag_groups import KEPT, cache_args, force_arg, model_args
 from million_app.flags import cache_spec, check_positive
 from million_app.loading import model_name, open_model
 from million_app.passkey import parse_lengths, passkey_eval
@@ -23,14 +23,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=5, help="prompts per length (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=5, help="prompts per forward (default 5)")
-    p.add_argument("--json", help="write the accuracies to this JSON file")
+    p.add_argument("--json", help=f"write the accuracies to this JSON file ({KEPT})")
+    force_arg(p, "--json")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     check_positive(trials=args.trials, batch=args.batch)
     if args.json:
-        check_writable(args.json, "--json")
+        check_writable(args.json, "--json", force=args.force)
     model = open_model(args.model)
     spec, source = cache_spec(args, model)
     lengths = parse_lengths(args.lengths, model.config.max_position_embeddings)
@@ -50,5 +51,5 @@ def run(args: argparse.Namespace) -> int:
         r.update(model=model_name(model), trials=args.trials, seed=args.seed,
                  caches={caches.label(s): {**caches.settings(s), **(source if s is spec else {})}
                          for s in specs})
-        write_json(args.json, r)
+        write_json(args.json, r, force=args.force)
     return 0

@@ -6,9 +6,15 @@
 The temporary file sits next to the target (same file system, so the final ``os.replace`` is
 atomic). A replaced file keeps its permission bits; a new one gets the umask's default
 (``0o666 & ~umask``), not the 0600 of a raw temporary file.
+
+``atomic_file(path, replace=False)`` never replaces a file: the finished temporary file is
+hard-linked to ``path``, which fails with FileExistsError if ``path`` appeared meanwhile (two
+writers racing for one name: the later one fails instead of silently replacing the earlier).
+On a file system without hard links it falls back to an existence check and a rename.
 """
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from contextlib import contextmanager
@@ -27,10 +33,11 @@ def replacement_mode(path: str) -> int:
 
 
 @contextmanager
-def atomic_file(path: str | os.PathLike) -> Iterator[str]:
+def atomic_file(path: str | os.PathLike, replace: bool = True) -> Iterator[str]:
     """Yield a temporary path next to ``path``; on a normal exit it replaces ``path`` (with
     :func:`replacement_mode`), on any exception it is removed and ``path`` is left as it was.
-    OSErrors (no directory, no permission) propagate."""
+    With ``replace=False`` an existing ``path`` is kept and FileExistsError raised instead
+    (module docstring). OSErrors (no directory, no permission) propagate."""
     path = os.fspath(path)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
                                dir=os.path.dirname(os.path.abspath(path)))
@@ -38,7 +45,23 @@ def atomic_file(path: str | os.PathLike) -> Iterator[str]:
     try:
         yield tmp
         os.chmod(tmp, replacement_mode(path))
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _link_new(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _link_new(tmp: str, path: str) -> None:
+    """Give ``tmp``'s content the name ``path`` only if ``path`` does not exist (atomically where
+    the file system has hard links); FileExistsError otherwise."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here (some network / FAT file systems): check, then rename
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "file exists", path) from None
+        os.replace(tmp, path)

@@ -119,6 +119,8 @@ def load_codebook_file(
     from safetensors import SafetensorError, safe_open
 
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise CodebookFileError(f"{path} is a directory, not a codebook file; give the .safetensors file in it")
     if not os.path.isfile(path):
         raise CodebookFileError(f"codebook file not found: {path}")
     try:

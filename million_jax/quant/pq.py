@@ -35,6 +35,8 @@ def code_dtype(nbits: int) -> jnp.dtype:
 
 
 def check_nbits(nbits: int) -> None:
+    if nbits is None:
+        raise ValueError(f"nbits not given: choose an int in [{MIN_NBITS}, {MAX_NBITS}]")
     if not isinstance(nbits, (int, np.integer)) or not MIN_NBITS <= nbits <= MAX_NBITS:
         raise ValueError(f"nbits must be an int in [{MIN_NBITS}, {MAX_NBITS}], got {nbits!r}")
 

@@ -79,6 +79,8 @@ def qmax(bits: int) -> int:
 
 
 def _check_bits(bits: int) -> None:
+    if bits is None:
+        raise ValueError(f"bits not given: choose one of {BITS}")
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
 

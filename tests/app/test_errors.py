@@ -36,7 +36,7 @@ def test_model_package_not_installed(cli, monkeypatch):
 
 @pytest.mark.parametrize("flags, needle", [
     (("--cache", "pq"), "--codebooks"),
-    (("--cache", "uniform"), "needs bits"),
+    (("--cache", "uniform"), "needs --bits"),
     (("--cache", "uniform", "--bits", "3"), "--bits"),
     (("--cache", "dense", "--bits", "4"), "--bits"),
     (("--cache", "dense", "--protocol", "realistic"), "dense cache is exact"),
