@@ -31,6 +31,12 @@ key/value read from codes, ppl vs dense 11.260; every recipe of ``RECIPES`` meas
                                 recipes_smollm2/residual/)
     1 b/elem  pq1-qa  +290.5%  (the only 1 b/elem recipe; measured, but far from usable)
 
+Keys before RoPE (``rope="pre"``, the default of ``calibrate``; benchmarks/results/prerope_smollm2,
+2026-12-03, same settings): pq4-pre +1.6% all / +0.4% realistic, and its codebooks from
+512-token windows keep the key error flat to 8K (0.18% -> 0.17%; post-RoPE 0.74% -> 29%), so
+``BEST_FOR_BITS["pre"]`` holds the pre-RoPE recipe of each budget; pq3-pre / pq2-pre are the
+RoPE-pair versions of pq3 / pq2 (their perplexity rows: that results README).
+
 With 4 exact sinks + 64 exact recent tokens (realistic/) plain pq4 (+0.2%) and pq2 (+2.2%)
 came out slightly ahead of pq4-qa (+0.5%) and pq2-qa (+2.3%); the table is picked on the
 all-from-codes protocol, the one issue 13's targets use.
