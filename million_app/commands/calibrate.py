@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from million_app import progress
-from million_app.calibrate import (calibration_kvq, calibration_kvq_samples, codebook_metadata,
+from million_app.calibrate import (DEFAULT_KEY_ROPE, calibration_kvq, calibration_kvq_samples, codebook_metadata,
                                    default_calibration_windows, fit_model_codebooks, kmeans_problem_summary,
                                    parse_windows, save_model_codebooks)
 from million_app.commands.flag_groups import (KEPT, TEXT_HELP, check_rope_subspaces, force_arg, model_args,
@@ -28,7 +28,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, help=TEXT_HELP)
     text_args(p)
     p.add_argument("--tokens", type=int, default=16384, help="calibration tokens (default 16384)")
-    rope_arg(p)
+    rope_arg(p, default=None, extra_help="; with --bits 2 or 1 the default is post, which measured better there "
+             "(benchmarks/results/prerope_smollm2)")
     p.add_argument("--bits", type=int, choices=(1, 2, 3, 4),
                    help="stored bits per K/V element: picks the best measured recipe for --rope (key/value "
                         "budgets, query-aware keys for post); not with --M/--nbits")
@@ -62,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     for w in windows or ():
         check_positions(model, w, f"--window {args.window}")
     d = model.config.head_dim
+    if args.rope is None:  # measured: pre-RoPE wins at 4 (and 3) b/elem, post-RoPE recipes at 2
+        args.rope = "post" if args.bits in (1, 2) else DEFAULT_KEY_ROPE
     recipe = None
     if args.bits is not None:
         if args.M is not None or args.nbits is not None:

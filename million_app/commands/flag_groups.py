@@ -54,12 +54,12 @@ def cache_args(p: argparse.ArgumentParser, default_protocol: str) -> None:
     p.set_defaults(default_protocol=default_protocol)
 
 
-def rope_arg(p: argparse.ArgumentParser) -> None:
+def rope_arg(p: argparse.ArgumentParser, default: str | None = DEFAULT_KEY_ROPE, extra_help: str = "") -> None:
     """``--rope pre|post``: keys quantized before RoPE (default) or after it (MILLION)."""
-    p.add_argument("--rope", choices=KEY_ROPE, default=DEFAULT_KEY_ROPE,
+    p.add_argument("--rope", choices=KEY_ROPE, default=default,
                    help="quantize keys before RoPE (pre, default: one sub-space per RoPE pair, codebooks "
                         "serve every position, rotation applied inside attention) or after it (post, "
-                        "MILLION's choice: codebooks serve the positions they were calibrated on)")
+                        "MILLION's choice: codebooks serve the positions they were calibrated on)" + extra_help)
 
 
 def check_rope_subspaces(rope: str, M: int, head_dim: int) -> None:

@@ -10,12 +10,14 @@ from million_jax.quant.codebook_io import load_codebooks
 from cli_result import one_error_line
 
 
-@pytest.mark.parametrize("rope", ["pre", "post"])
+@pytest.mark.parametrize("rope", ["pre", "post", None])
 def test_calibrate_bits_writes_the_recipe(cli, tiny_dir, tiny, tmp_path, rope):
     path = tmp_path / "b2.safetensors"
+    flags = () if rope is None else ("--rope", rope)
     res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "1024", "--window", "256",
-              "--bits", "2", "--rope", rope, "--iters", "2", "--out", path, "--quiet")
+              "--bits", "2", *flags, "--iters", "2", "--out", path, "--quiet")
     assert res.rc == 0, res.err
+    rope = rope or "post"  # the measured default at 2 b/elem (benchmarks/results/prerope_smollm2)
     recipe = RECIPES[BEST_FOR_BITS[rope][2]]
     assert recipe.rope == rope
     _, meta = load_codebooks(path)
@@ -85,7 +87,7 @@ def test_calibrate_rope_pre_refuses_other_subspaces_and_1_bit(cli, tiny_dir, tmp
             tmp_path / "x.safetensors")
     res = cli(*base, "--M", "4")
     assert res.rc == 2 and "--rope pre quantizes keys per RoPE pair: --M must be head_dim / 2" in error_line(res)
-    res = cli(*base, "--bits", "1")
+    res = cli(*base, "--bits", "1", "--rope", "pre")
     assert res.rc == 2 and "--bits with --rope pre must be one of [2, 3, 4], got 1 (--rope post has one)" in \
         error_line(res)
     assert not (tmp_path / "x.safetensors").exists()
