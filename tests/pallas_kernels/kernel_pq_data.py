@@ -50,8 +50,12 @@ def make_inputs(case: Case, seed: int, starts=None, ends=None) -> dict:
     )
 
 
-def numpy_oracle(inputs: dict, scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Dequantise K and V, then plain softmax attention in float64 (independent of the jnp code)."""
+def numpy_oracle(inputs: dict, scale: float | None = None,
+                 freqs=None) -> tuple[np.ndarray, np.ndarray]:
+    """Dequantise K and V, then plain softmax attention in float64 (independent of the jnp code).
+
+    freqs float[M] (keys quantized before RoPE, dsub 2): key row t is first rotated pair-wise
+    by t * freqs[m] with float64 angles."""
     q = np.asarray(inputs["q"], np.float64)
     kc = np.asarray(inputs["k_codes"]).astype(np.int64)
     vc = np.asarray(inputs["v_codes"]).astype(np.int64)
@@ -66,14 +70,21 @@ def numpy_oracle(inputs: dict, scale: float | None = None) -> tuple[np.ndarray, 
     lse = np.full((b, h), -np.inf)
     for bi in range(b):
         lo, hi = max(0, int(start[bi])), min(t, int(end[bi]))
+        if hi <= lo:
+            continue
         for hi_ in range(h):
             g = hi_ // group
-            if hi <= lo:
-                continue
             kg = kcb[0 if kcb.shape[0] == 1 else g]
             vg = vcb[0 if vcb.shape[0] == 1 else g]
-            kk = np.stack([kg[mi, kc[bi, g, lo:hi, mi]] for mi in range(m)], axis=1).reshape(hi - lo, d)
-            vv = np.stack([vg[mi, vc[bi, g, lo:hi, mi]] for mi in range(m)], axis=1).reshape(hi - lo, d)
+            kk = np.stack([kg[mi, kc[bi, g, lo:hi, mi]] for mi in range(m)], axis=1)  # [n, M, dsub]
+            if freqs is not None:
+                ang = np.arange(lo, hi, dtype=np.float64)[:, None] * np.asarray(freqs, np.float32).astype(
+                    np.float64)[None, :]
+                cos, sin = np.cos(ang), np.sin(ang)
+                k1, k2 = kk[..., 0], kk[..., 1]
+                kk = np.stack([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1)
+            kk = kk.reshape(hi - lo, d)
+            vv = np.stack([vg[mi, vc[bi, g, lo:hi, mi]] for mi in range(vg.shape[0])], axis=1).reshape(hi - lo, d)
             s = scale * kk @ q[bi, hi_]
             mx = s.max()
             p = np.exp(s - mx)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from cuda_export import TRITON_CUSTOM_CALL, export_for_cuda
-from kernel_pq_data import Case, make_inputs, make_packed_inputs
+from kernel_pq_data import Case, make_inputs, make_packed_inputs, numpy_oracle
 from pallas_kernels import pq_decode_attention, pq_decode_attention_reference, pq_kernel_unsupported_reason
 from pallas_kernels import pq_math
 from test_kernel_lowering import specs
@@ -36,36 +36,7 @@ def inv_freq(m: int, theta: float = 10000.0, seed: int | None = None) -> jax.Arr
 
 def rope_oracle(inputs: dict, freqs, scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Dequantize, rotate key row t by t * f (float64 angles), softmax attention in float64."""
-    q = np.asarray(inputs["q"], np.float64)
-    kc = np.asarray(inputs["k_codes"]).astype(np.int64)
-    vc = np.asarray(inputs["v_codes"]).astype(np.int64)
-    kcb = np.asarray(inputs["k_codebooks"].astype(jnp.float32), np.float64)
-    vcb = np.asarray(inputs["v_codebooks"].astype(jnp.float32), np.float64)
-    start, end = np.asarray(inputs["start"]), np.asarray(inputs["end"])
-    f = np.asarray(freqs, np.float32).astype(np.float64)
-    b, h, d = q.shape
-    _, hkv, t, m = kc.shape
-    group = h // hkv
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out, lse = np.zeros((b, h, d)), np.full((b, h), -np.inf)
-    for bi in range(b):
-        lo, hi = max(0, int(start[bi])), min(t, int(end[bi]))
-        if hi <= lo:
-            continue
-        ang = np.arange(lo, hi, dtype=np.float64)[:, None] * f[None, :]
-        cos, sin = np.cos(ang), np.sin(ang)
-        for hh in range(h):
-            g = hh // group
-            kg, vg = kcb[0 if kcb.shape[0] == 1 else g], vcb[0 if vcb.shape[0] == 1 else g]
-            kk = np.stack([kg[mi, kc[bi, g, lo:hi, mi]] for mi in range(m)], axis=1)  # [n, M, 2]
-            k1, k2 = kk[..., 0], kk[..., 1]
-            kr = np.stack([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1).reshape(hi - lo, d)
-            vv = np.stack([vg[mi, vc[bi, g, lo:hi, mi]] for mi in range(vg.shape[0])], axis=1).reshape(hi - lo, d)
-            s = scale * kr @ q[bi, hh]
-            p = np.exp(s - s.max())
-            lse[bi, hh] = s.max() + np.log(p.sum())
-            out[bi, hh] = p @ vv / p.sum()
-    return out, lse
+    return numpy_oracle(inputs, scale, freqs=freqs)
 
 
 def assert_close(got, want, tol):
