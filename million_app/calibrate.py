@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from million_app.errors import UsageError
-from million_app.progress import bar
+from million_app.progress import counting
 from million_app.query_sample import QueryRecordCache
 from million_app.report import atomic_path, check_out_dir
 from million_jax.quant.kv_codebooks import PQCodebooks
@@ -80,11 +80,18 @@ def windows(ids: Sequence[int], window: int, max_tokens: int | None = None) -> n
     return ids[: n * window].reshape(n, window)
 
 
+# Calibration windows longer than this are run as a chunked prefill (same result up to float
+# rounding), so a long window reports progress as it goes instead of one step at the end.
+FORWARD_CHUNK = 1024
+
+
 def collect_model_kvq(model: LoadedModel, ids: Sequence[int], *, window: int = 512, batch: int = 4,
                       max_tokens: int | None = None, progress: Callable[[int, int], None] | None = None,
                       key_rope: str = "post"):
     """Keys / values float32[L, Hkv, N, d] of the model over ``ids``, and the sums of q q^T of the
     post-RoPE queries per KV head, float64[L, Hkv, d, d], with their counts [L, Hkv].
+    ``progress(tokens done, tokens total)`` runs after each prefill call (windows over
+    ``FORWARD_CHUNK`` tokens are prefilled in chunks of it).
 
     ``key_rope``: "post" keys as the model attends with them (after RoPE), "pre" keys before
     RoPE (un-rotated at their window positions, ``million_jax.calibration.fit.collect_kv``)."""
@@ -94,19 +101,23 @@ def collect_model_kvq(model: LoadedModel, ids: Sequence[int], *, window: int = 5
     ks, vs = [], []
     gram = np.zeros((c.n_layers, c.n_kv_heads, c.head_dim, c.head_dim))
     count = np.zeros((c.n_layers, c.n_kv_heads))
+    total, done = w.size, 0
     for i in range(0, len(w), batch):
-        chunk = jnp.asarray(w[i : i + batch])
-        cache = QueryStatsCache.create(c.n_layers, chunk.shape[0], c.n_kv_heads, window, c.head_dim)
-        lengths = jnp.full((chunk.shape[0],), window, jnp.int32)
-        _, cache = prefill(c, model.params, cache, chunk, lengths, last_only=True)
+        rows = w[i : i + batch]
+        cache = QueryStatsCache.create(c.n_layers, rows.shape[0], c.n_kv_heads, window, c.head_dim)
+        for s in range(0, window, FORWARD_CHUNK):  # chunked prefill: progress inside long windows
+            part = jnp.asarray(rows[:, s : s + FORWARD_CHUNK])
+            _, cache = prefill(c, model.params, cache, part, jnp.full((rows.shape[0],), part.shape[1], jnp.int32),
+                               last_only=True)
+            done += part.size
+            if progress:
+                progress(done, total)
         k, v = collect_kv(cache, rope_inv_freq=inv_freq)
         g, n = collect_query_gram(cache)
         ks.append(k)
         vs.append(v)
         gram += g
         count += n
-        if progress:
-            progress(min(i + batch, len(w)), len(w))
     return np.concatenate(ks, axis=2), np.concatenate(vs, axis=2), gram, count
 
 
@@ -258,7 +269,7 @@ def calibration_kvq(model: LoadedModel, ids: Sequence[int], *, tokens: int, wind
     parts = []
     for i, w in enumerate(lengths):
         part = ids[i * share:(i + 1) * share]
-        parts.append(_windowed_forward(part, share, w, f"calibration forward, windows of {w}", functools.partial(
+        parts.append(_windowed_forward(part, share, w, "calibration forward", functools.partial(
             collect_model_kvq, model, part, window=w, batch=batch, key_rope=key_rope)))
     k, v, gram, count, used = zip(*parts)
     return (np.concatenate(k, axis=2), np.concatenate(v, axis=2), sum(gram), sum(count), sum(used))
@@ -274,15 +285,8 @@ def _windowed_forward(ids: Sequence[int], tokens: int, window: int, label: str, 
     if n_win == 0:
         raise UsageError(f"calibration text gives {use} tokens, fewer than one window of {window}"
                          " (use more text or a smaller --window)")
-    pbar = bar(n_win, label, unit="window")
-
-    def progress(done: int, total: int) -> None:
-        pbar.set(done)
-
-    try:
-        out = collect(max_tokens=use, progress=progress)
-    finally:
-        pbar.close()
+    with counting(f"{label} ({n_win} window{'s' if n_win > 1 else ''} of {window})", "token") as report:
+        out = collect(max_tokens=use, progress=report)
     return (*out, n_win * window)
 
 
@@ -327,7 +331,7 @@ def collect_model_kvq_samples(model: LoadedModel, ids: Sequence[int], *, window:
                       .transpose(0, 2, 3, 1, 4))
             pos.append((i + b) * window + p)
         if progress:
-            progress(min(i + batch, len(w)), len(w))
+            progress(min(i + batch, len(w)) * window, w.size)
     q = np.concatenate(qs, axis=3).astype(np.float32)
     return (np.concatenate(ks, axis=2), np.concatenate(vs, axis=2), gram, count, q,
             np.concatenate(pos).astype(np.int32))
@@ -347,19 +351,13 @@ def fit_model_codebooks(k: np.ndarray, v: np.ndarray, *, M: int, nbits: int, gra
                         rope_inv_freq: np.ndarray | None = None) -> PQCodebooks:
     """``fit_kv_codebooks`` with a progress bar (one step per jitted fit; Ctrl-C stops in
     between) and settings errors as UsageErrors."""
-    pbar = bar(1, "k-means", unit="fit")
-
-    def progress(done: int, total: int) -> None:
-        pbar.set(done, total)
-
     try:
-        return fit_kv_codebooks(k, v, M=M, nbits=nbits, granularity=granularity,
-                                key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
-                                progress=progress, rope_inv_freq=rope_inv_freq)
+        with counting("k-means", "fit") as report:
+            return fit_kv_codebooks(k, v, M=M, nbits=nbits, granularity=granularity,
+                                    key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
+                                    progress=report, rope_inv_freq=rope_inv_freq)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    finally:
-        pbar.close()
 
 
 def kmeans_problem_summary(shape: tuple[int, ...], M: int, nbits: int, granularity: str,

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tqdm.auto import tqdm
 
@@ -163,6 +163,17 @@ class Bar:
 def bar(total: int, desc: str, unit: str = "it") -> Bar:
     """A :class:`Bar` on stderr (tqdm on a terminal, status lines elsewhere, none when quiet)."""
     return Bar(total, desc, unit)
+
+
+@contextmanager
+def counting(desc: str, unit: str = "it") -> Iterator[Callable[[int, int], None]]:
+    """``with counting("k-means", "fit") as report:`` gives a ``report(done, total)`` callback
+    (the form the library's ``progress=`` arguments take) drawing a :class:`Bar`; closed at the end."""
+    pbar = bar(1, desc, unit)
+    try:
+        yield pbar.set
+    finally:
+        pbar.close()
 
 
 @contextmanager

@@ -49,6 +49,7 @@ import jax
 import numpy as np
 
 from million_app.errors import UsageError
+from million_app.progress import counting
 from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks
 from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
 from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform
@@ -182,15 +183,18 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
         raise UsageError(f"recipe {recipe.name}: fine-tuning is not implemented for keys quantized before RoPE")
     inv_freq = rope_inv_freq(c) if recipe.rope == "pre" else None
     try:
-        books = fit_kv_codebooks(k, v, **recipe.budgets(c.head_dim), granularity=granularity,
-                                 key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
-                                 key_transform=kt, value_transform=vt, stages=recipe.stages,
-                                 rope_inv_freq=inv_freq)
+        with counting(f"k-means ({recipe.name})", "fit") as report:
+            books = fit_kv_codebooks(k, v, **recipe.budgets(c.head_dim), granularity=granularity,
+                                     key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
+                                     key_transform=kt, value_transform=vt, stages=recipe.stages,
+                                     rope_inv_freq=inv_freq, progress=report)
         if ft is None:
             return books
         q, q_pos, window = queries
-        books, reports = finetune_codebooks(books, q, k, v, q_pos, window=window, settings=ft,
-                                            key=jax.random.fold_in(jax.random.PRNGKey(seed), 1))
+        with counting(f"fine-tuning ({recipe.name})", "layer") as report:
+            books, reports = finetune_codebooks(books, q, k, v, q_pos, window=window, settings=ft,
+                                                key=jax.random.fold_in(jax.random.PRNGKey(seed), 1),
+                                                progress=report)
     except ValueError as e:
         raise UsageError(f"recipe {recipe.name}: {e}") from None
     if finetune_report is not None:

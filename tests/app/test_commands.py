@@ -138,7 +138,7 @@ def test_demo_on_tiny_model(cli, tiny_dir, tmp_path, monkeypatch):
                    "memory of one 128-token window (the evaluated length)", "prompt:"):
         assert needle in res.out, needle
     # off a terminal: status lines with counts (and ETA) for every long phase
-    for needle in ("calibration forward: 4/4 windows", "k-means: ", " fits", "ETA",
+    for needle in ("calibration forward (4 windows of 128): 512/512 tokens", "k-means: ", " fits", "ETA",
                    "perplexity, dense cache: 2/2 windows", "generating, dense cache: ",
                    "generating, pq cache: 4/4 tokens"):
         assert needle in res.err, needle

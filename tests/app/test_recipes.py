@@ -91,3 +91,40 @@ def test_calibrate_rope_pre_refuses_other_subspaces_and_1_bit(cli, tiny_dir, tmp
     assert res.rc == 2 and "--bits with --rope pre must be one of [2, 3, 4], got 1 (--rope post has one)" in \
         error_line(res)
     assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("key_rope", ["pre", "post"])
+def test_long_calibration_windows_are_prefilled_in_chunks(tiny, monkeypatch, key_rope):
+    """A window longer than FORWARD_CHUNK runs as a chunked prefill that reports tokens as it
+    goes (issue 26 item 5) and collects what one prefill of the whole window collects."""
+    from million_app import calibrate
+    from million_app.corpus import read_text
+    from million_app.loading import tokenize
+
+    ids = tokenize(tiny, read_text("builtin:calib"))
+    k0, v0, g0, n0 = calibrate.collect_model_kvq(tiny, ids, window=128, batch=2, max_tokens=256, key_rope=key_rope)
+    monkeypatch.setattr(calibrate, "FORWARD_CHUNK", 48)  # 128 = 48 + 48 + 32
+    calls = []
+    k1, v1, g1, n1 = calibrate.collect_model_kvq(tiny, ids, window=128, batch=2, max_tokens=256, key_rope=key_rope,
+                                                 progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(96, 256), (192, 256), (256, 256)]
+    np.testing.assert_allclose(k1, k0, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-6 * np.abs(g0).max())
+    np.testing.assert_array_equal(n1, n0)
+
+
+def test_calibrate_bits_reports_counts_and_eta(cli, tiny_dir, tmp_path, monkeypatch):
+    """`calibrate --bits` shows counts and an ETA while fitting, and a long calibration window
+    shows tokens done as it goes (off a terminal: a status line per step here)."""
+    from million_app import calibrate, progress
+
+    monkeypatch.setattr(progress, "_INTERVAL", 0.0)
+    monkeypatch.setattr(calibrate, "FORWARD_CHUNK", 128)
+    res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", 512, "--window", 512,
+              "--bits", 4, "--iters", 1, "--max-vectors", 512, "--out", tmp_path / "b.safetensors")
+    assert res.rc == 0, res.err
+    for needle in ("calibration forward (1 window of 512): 128/512 tokens", "ETA",
+                   "calibration forward (1 window of 512): 512/512 tokens", "k-means (pq4-pre): 1/", " fits, "):
+        assert needle in res.err, (needle, res.err)
+    assert any(line.startswith("  k-means (pq4-pre): ") and "ETA" in line for line in res.err.splitlines()), res.err
