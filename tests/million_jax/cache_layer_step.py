@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 
+@jax.jit
 def attend_layer0(cache, consts, q, k, v, n_new):
     """``KVCache.attend`` on layer 0 (read in place from the stacked state), its writes
     applied to layer 0 and the lengths advanced; returns (out, new cache)."""
