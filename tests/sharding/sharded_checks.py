@@ -4,7 +4,8 @@
 before jax is imported, so ``test_sharded_model.py`` launches this file in a
 subprocess and asserts on the JSON it writes::
 
-    python tests/sharding/sharded_checks.py --out results.json
+    python tests/sharding/sharded_checks.py --part dense --out dense.json
+    python tests/sharding/sharded_checks.py --part pq --out pq.json
 
 For the dense and the PQ cache (impl="xla", random layer_head codebooks) it
 runs ``prefill`` of a first prompt chunk, greedy ``generate`` appending the
@@ -215,28 +216,29 @@ def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# The cases in two halves of about equal cost, so that two pytest-xdist workers run
+# them side by side (``--part``); each half computes the single-device references it needs.
+PARTS = {
+    "dense": [("dense", CONFIG, MESHES), ("uniform", CONFIG, [(2, 4)]), ("dense", GQA_CONFIG, [(1, 8)])],
+    "pq": [("pq", CONFIG, MESHES), ("pq-pallas", CONFIG, PALLAS_MESHES)],
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--part", choices=sorted(PARTS), required=True, help="which half of the cases")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     assert jax.device_count() == 8, jax.devices()
-    params = init_params(CONFIG, jax.random.key(0), jnp.float32, 0.2)
     cases, ref_seconds = [], {}
-    for kind in ("dense", "pq"):
-        ref = run_case(CONFIG, kind, None, params)
-        ref_seconds[kind] = ref["seconds"]
-        for shape in MESHES:
-            cases.append(compare(ref, run_case(CONFIG, kind, shape, params)))
-    ref = run_case(CONFIG, "pq-pallas", None, params)
-    ref_seconds["pq-pallas"] = ref["seconds"]
-    for shape in PALLAS_MESHES:
-        cases.append(compare(ref, run_case(CONFIG, "pq-pallas", shape, params)))
-    ref = run_case(CONFIG, "uniform", None, params)
-    cases.append(compare(ref, run_case(CONFIG, "uniform", (2, 4), params)))
-    gqa_params = init_params(GQA_CONFIG, jax.random.key(1), jnp.float32, 0.2)
-    ref = run_case(GQA_CONFIG, "dense", None, gqa_params)
-    cases.append(compare(ref, run_case(GQA_CONFIG, "dense", (1, 8), gqa_params)))
+    for kind, config, meshes in PARTS[args.part]:
+        key = 0 if config is CONFIG else 1
+        params = init_params(config, jax.random.key(key), jnp.float32, 0.2)
+        ref = run_case(config, kind, None, params)
+        ref_seconds[f"{kind}-kv{config.n_kv_heads}"] = ref["seconds"]
+        for shape in meshes:
+            cases.append(compare(ref, run_case(config, kind, shape, params)))
     result = {"devices": jax.device_count(), "seconds": time.perf_counter() - t0,
               "reference_seconds": ref_seconds, "cases": cases}
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -2,7 +2,8 @@
 
 The checks run in a subprocess (``sharded_checks.py``) because the fake device
 count must be set before jax is imported; this file only asserts on the JSON
-the script writes. One run covers dense and PQ caches on meshes (8, 1),
+the script writes. Two runs (``--part dense`` and ``--part pq``, side by side under
+pytest-xdist) cover dense and PQ caches on meshes (8, 1),
 (2, 4), (1, 8), the PQ cache with the Pallas kernel (impl="pallas", interpret mode, per
 shard under shard_map) on (2, 4) and (1, 8), plus a UniformCache on (2, 4) and GQA with 4 KV heads on an
 8-way "model" axis.
@@ -21,50 +22,60 @@ import pytest
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "sharded_checks.py"
 
-# (kind, mesh, n_kv_heads): the cases sharded_checks.main() runs, in order.
-CASES = [("dense", (8, 1), 8), ("dense", (2, 4), 8), ("dense", (1, 8), 8),
-         ("pq", (8, 1), 8), ("pq", (2, 4), 8), ("pq", (1, 8), 8),
-         ("pq-pallas", (2, 4), 8), ("pq-pallas", (1, 8), 8),
-         ("uniform", (2, 4), 8), ("dense", (1, 8), 4)]
-IDS = [f"{k}-{m[0]}x{m[1]}-kv{h}" for k, m, h in CASES]
+# (kind, mesh, n_kv_heads) of the cases each half of sharded_checks.main() runs, in order.
+PARTS = {
+    "dense": [("dense", (8, 1), 8), ("dense", (2, 4), 8), ("dense", (1, 8), 8),
+              ("uniform", (2, 4), 8), ("dense", (1, 8), 4)],
+    "pq": [("pq", (8, 1), 8), ("pq", (2, 4), 8), ("pq", (1, 8), 8),
+           ("pq-pallas", (2, 4), 8), ("pq-pallas", (1, 8), 8)],
+}
+# Interleaved, so that the two pytest-xdist workers, handed the tests in order, start
+# the two halves at the same time.
+CASES = [(part, i) for i in range(5) for part in PARTS]
+IDS = ["{}-{}x{}-kv{}".format(PARTS[p][i][0], *PARTS[p][i][1], PARTS[p][i][2]) for p, i in CASES]
 
 pytestmark = pytest.mark.slow
 
 
-def _run_checks(out: Path) -> None:
+def _run_checks(part: str, out: Path) -> None:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], env=env,
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--part", part, "--out", str(out)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    # One subprocess per test session, even under pytest-xdist: the workers share the
-    # parent of their base temp dirs, and the first one to take the lock runs the checks.
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent                      # this session's dir, shared by its workers
-    out = root / "sharded_checks.json"
-    with open(root / "sharded_checks.lock", "w") as lock:
+def _results(root: Path, part: str) -> dict:
+    """One subprocess per half per test session, even under pytest-xdist: the workers
+    share the parent of their base temp dirs, and the first to take a half's lock runs it."""
+    out = root / f"sharded_checks_{part}.json"
+    with open(root / f"sharded_checks_{part}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not out.exists():
-                _run_checks(out)
+                _run_checks(part, out)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     res = json.loads(out.read_text())
     assert res["devices"] == 8
     got = [(c["kind"], tuple(c["mesh"]), c["n_kv_heads"]) for c in res["cases"]]
-    assert got == CASES
+    assert got == PARTS[part]
     return res
 
 
-@pytest.fixture(params=range(len(CASES)), ids=IDS)
-def case(request, results) -> dict:
-    return results["cases"][request.param]
+@pytest.fixture(scope="session")
+def results_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent                      # this session's dir, shared by its workers
+    return root
+
+
+@pytest.fixture(params=CASES, ids=IDS)
+def case(request, results_root) -> dict:
+    part, i = request.param
+    return _results(results_root, part)["cases"][i]
 
 
 def test_same_generated_tokens_as_one_device(case):
