@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from million_app.calibrate import calibrate_model
+from million_app.calibrate import collect_model_kv, fit_kv_codebooks
 from million_app.corpus import builtin_split
 from million_jax.cache import DenseCache, PQCache, UniformCache
 from models import decode_step, generate, init_cache, load_model, prefill
@@ -60,9 +60,11 @@ def test_pq_cache_is_about_a_quarter_of_dense_at_4_bits(tiny):
 # ---------------------------------------------------------------- SmolLM2 fidelity
 @pytest.fixture(scope="module")
 def smol(smollm2_gguf):
+    """(model, calibration K/V): one forward over 4096 tokens of builtin:calib in 256-token
+    windows, shared by the fits below."""
     m = load_model("smollm2")
     calib_ids = m.encode(builtin_split("calib")[:20000])
-    return m, calib_ids
+    return m, collect_model_kv(m, calib_ids, window=256, max_tokens=4096)
 
 
 def _greedy(m, cache, consts, prompt, n):
@@ -76,11 +78,10 @@ def test_smollm2_greedy_pq_12bit_follows_dense(smol):
     """nbits 12, M = d/2, every token read from codes. Along dense's greedy continuation
     (64 tokens), PQ picks the same next token at every step, except at near-ties of the
     dense logits (each flip's dense margin is printed and must be small)."""
-    m, calib_ids = smol
+    m, (k, v) = smol
     cfg = m.config
-    books = calibrate_model(m, calib_ids, M=cfg.head_dim // 2, nbits=12, granularity="shared",
-                            key=jax.random.PRNGKey(0), window=256, max_tokens=4096,
-                            max_vectors=12288, iters=3)
+    books = fit_kv_codebooks(k, v, M=cfg.head_dim // 2, nbits=12, granularity="shared",
+                             key=jax.random.PRNGKey(0), max_vectors=12288, iters=3)
     prompt = m.encode("The import statement combines two operations; it searches for the named module,")
     n = 64
     t_max = len(prompt) + n
@@ -106,7 +107,7 @@ def test_smollm2_greedy_pq_12bit_follows_dense(smol):
 def test_smollm2_4bit_logits_stay_close(smol):
     """4 bits/elem (M = d/2, 8-bit codes, per-layer-per-head codebooks), all tokens quantized:
     KL(dense || PQ) of the next-token distributions stays small, and falls with more bits."""
-    m, calib_ids = smol
+    m, (k, v) = smol
     cfg = m.config
     ev = m.encode(builtin_split("eval")[:6000])[:256]
     x = jnp.asarray([ev])
@@ -114,9 +115,8 @@ def test_smollm2_4bit_logits_stay_close(smol):
     ld, _ = prefill(cfg, m.params, init_cache(cfg, 1, len(ev), jnp.float32), x, n)
     kls = {}
     for nbits in (4, 8):
-        books = calibrate_model(m, calib_ids, M=cfg.head_dim // 2, nbits=nbits, granularity="layer_head",
-                                key=jax.random.PRNGKey(0), window=256, max_tokens=2048,
-                                max_vectors=1024, iters=6)
+        books = fit_kv_codebooks(k, v, M=cfg.head_dim // 2, nbits=nbits, granularity="layer_head",
+                                 key=jax.random.PRNGKey(0), max_vectors=1024, iters=6)
         c = PQCache.for_codebooks(books, 1, cfg.n_kv_heads, len(ev), dtype=jnp.float32,
                                   quantize_all=True, impl="xla")
         lp, _ = prefill(cfg, m.params, c, x, n, books)
