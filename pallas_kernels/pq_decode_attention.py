@@ -244,7 +244,7 @@ def _pq_attention_kernel(
         jnp.zeros((block_h,), jnp.float32),
     )
     acc, m_i, l_i = lax.fori_loop(0, num_tiles, body, init)
-    nonempty = l_i > 0
+    nonempty = l_i != 0  # a NaN score makes l NaN: kept (NaN lse), not taken for an empty split
     l_safe = jnp.where(nonempty, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = jnp.where(nonempty, m_i + jnp.log(l_safe), -jnp.inf)

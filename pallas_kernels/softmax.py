@@ -19,7 +19,8 @@ is 0 and is ignored by the merge). Partials over disjoint subsets combine exactl
 
     lse = log sum_i exp(lse_i),   out = sum_i exp(lse_i - lse) * out_i
 
-Nothing here ever produces NaN from an empty key set. The Pallas kernel body keeps its own
+Nothing here ever produces NaN from an empty key set, and nothing drops a NaN score: it
+propagates to the row's output as in a plain softmax. The Pallas kernel body keeps its own
 in-register copy of the online-softmax step (Triton needs 2-D tiles and ``tl.dot``); its
 reference is written with these functions.
 """
@@ -97,20 +98,25 @@ class OnlineSoftmax:
         """
         scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
         m_new = jnp.maximum(self.m, jnp.max(scores, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        # Only "nothing seen yet" (-inf) is special: a NaN or +inf score makes the row NaN, as
+        # a plain softmax would, instead of being dropped as if the row were empty.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.where(mask, jnp.exp(scores - m_safe[..., None]), 0.0)
-        alpha = jnp.where(jnp.isfinite(self.m), jnp.exp(self.m - m_safe), 0.0)
+        alpha = jnp.where(self.m == -jnp.inf, 0.0, jnp.exp(self.m - m_safe))
         pv = einsum_f32("bkgrs,bksd->bkgrd", p.astype(values.dtype), values)
         return OnlineSoftmax(
             m=m_new, l=self.l * alpha + jnp.sum(p, axis=-1), acc=self.acc * alpha[..., None] + pv
         )
 
     def finish(self) -> tuple[jax.Array, jax.Array]:
-        """(out f32[B, Hkv, G, R, d], lse f32[B, Hkv, G, R]); a row that saw no key: 0 / -inf."""
-        ok = self.l > 0
-        l_safe = jnp.where(ok, self.l, 1.0)
+        """(out f32[B, Hkv, G, R, d], lse f32[B, Hkv, G, R]); a row that saw no key: 0 / -inf.
+
+        A row that saw a NaN (or +inf) score gives NaN out and lse, which the merge propagates.
+        """
+        empty = self.l == 0
+        l_safe = jnp.where(empty, 1.0, self.l)
         out = self.acc / l_safe[..., None]
-        lse = jnp.where(ok, jnp.where(jnp.isfinite(self.m), self.m, 0.0) + jnp.log(l_safe), -jnp.inf)
+        lse = jnp.where(empty, -jnp.inf, self.m + jnp.log(l_safe))
         return out, lse
 
 
@@ -131,21 +137,23 @@ def merge_stacked(out: jax.Array, lse: jax.Array, axis: int = 0) -> tuple[jax.Ar
 
     out: float[..., P, ..., d] (one trailing feature dim more than lse); lse: float[..., P, ...],
     -inf for empty partials. Returns (out f32[lse.shape without axis + (d,)], lse f32[...]);
-    all-empty rows give out = 0 and lse = -inf, never NaN, whatever empty partials hold.
+    all-empty rows give out = 0 and lse = -inf, never NaN, whatever empty partials hold. A NaN
+    partial (NaN lse, from a NaN score) makes the merged row NaN: bad input is never dropped.
     """
     if out.ndim != lse.ndim + 1 or out.shape[:-1] != lse.shape:
         raise ValueError(f"merge: out must be lse.shape + (d,); got out {out.shape}, lse {lse.shape}")
     axis = axis % lse.ndim
     out = out.astype(jnp.float32)
     lse = lse.astype(jnp.float32)
-    m = jnp.max(lse, axis=axis, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse - m_safe)  # 0 for empty partials
+    m = jnp.max(lse, axis=axis, keepdims=True)  # NaN if any partial is NaN
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    empty = lse == -jnp.inf
+    w = jnp.where(empty, 0.0, jnp.exp(lse - m_safe))
     denom = jnp.sum(w, axis=axis)
-    num = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * out, 0.0), axis=axis)
-    ok = denom > 0
-    d_safe = jnp.where(ok, denom, 1.0)
-    merged_lse = jnp.where(ok, jnp.squeeze(m_safe, axis) + jnp.log(d_safe), -jnp.inf)
+    num = jnp.sum(jnp.where(empty[..., None], 0.0, w[..., None] * out), axis=axis)
+    none = denom == 0
+    d_safe = jnp.where(none, 1.0, denom)
+    merged_lse = jnp.where(none, -jnp.inf, jnp.squeeze(m_safe, axis) + jnp.log(d_safe))
     return num / d_safe[..., None], merged_lse
 
 

@@ -198,3 +198,20 @@ def test_overflow_flag_of_a_model_with_split_state():
     assert np.asarray(cache_overflow(cache)).tolist() == [True, True]
     with pytest.raises(ValueError, match="no PQ attention cache"):
         cache_overflow(NNXDecoder(PQMultiHeadAttention))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_nan_input_gives_nan_output_not_a_finite_answer(impl):
+    """A NaN in one token's input makes that token's output NaN (every key from codes, so the
+    NaN reaches attention only through its query); the other batch row is unaffected. Codes
+    cannot hold a NaN key: later tokens read the finite code it was encoded to."""
+    layer = _layer(impl=impl, seed=0)
+    layer.init_cache((2, 16, D_MODEL))
+    x = np.random.default_rng(0).standard_normal((2, 6, D_MODEL)).astype(np.float32)
+    x[0, 2, 5] = np.nan
+    call = nnx.jit(lambda m, x: m(x))
+    out = np.asarray(call(layer, jnp.asarray(x[:, :5])))
+    assert np.isnan(out[0, 2]).all()
+    assert np.isfinite(out[1]).all() and np.isfinite(out[0, :2]).all()
+    x[0, 5, 0] = np.nan  # a decode step (the kernel's path for impl="pallas")
+    assert np.isnan(np.asarray(call(layer, jnp.asarray(x[:, 5:6])))[0]).all()

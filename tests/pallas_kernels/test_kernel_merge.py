@@ -78,3 +78,40 @@ def test_merge_errors() -> None:
         merge_partials([a, jnp.zeros((1, 3, 4))], [la, jnp.zeros((1, 3))])
     with pytest.raises(ValueError, match="lse"):
         merge_partials([a], [jnp.zeros((1, 3))])
+
+
+def test_nan_partial_makes_the_row_nan_instead_of_being_dropped() -> None:
+    """A NaN score is bad input: its row's merged result is NaN (never a finite answer from the
+    other partials); rows without NaN and all-empty rows are unchanged."""
+    rng = np.random.default_rng(1)
+    o1, l1 = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3))
+    o2, l2 = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3))
+    l2[0, 1] = np.nan
+    o2[0, 1] = np.nan
+    l1[1, 2] = l2[1, 2] = -np.inf  # an all-empty row stays 0 / -inf
+    o, l = (np.asarray(x) for x in merge_partials([jnp.asarray(o1), jnp.asarray(o2)], [jnp.asarray(l1), jnp.asarray(l2)]))
+    assert np.isnan(o[0, 1]).all() and np.isnan(l[0, 1])
+    ok = np.ones((2, 3), bool)
+    ok[0, 1] = ok[1, 2] = False
+    assert np.isfinite(o[ok]).all() and np.isfinite(l[ok]).all()
+    assert np.all(o[1, 2] == 0) and np.isneginf(l[1, 2])
+
+
+def test_online_softmax_propagates_nan_and_inf_scores_like_a_plain_softmax() -> None:
+    """OnlineSoftmax over two tiles: a NaN or +inf score gives a NaN row, as jax.nn.softmax does."""
+    from pallas_kernels.softmax import OnlineSoftmax
+    import jax
+    rng = np.random.default_rng(2)
+    scores = rng.standard_normal((1, 1, 1, 3, 8)).astype(np.float32)
+    scores[0, 0, 0, 0, 5] = np.nan
+    scores[0, 0, 0, 1, 2] = np.inf
+    values = jnp.asarray(rng.standard_normal((1, 1, 8, 4)), jnp.float32)
+    mask = jnp.ones(scores.shape, bool)
+    state = OnlineSoftmax.init(scores.shape[:-1], 4)
+    for lo, hi in ((0, 4), (4, 8)):
+        state = state.step(jnp.asarray(scores[..., lo:hi]), mask[..., lo:hi], values[:, :, lo:hi])
+    out, lse = (np.asarray(x) for x in state.finish())
+    plain = np.asarray(jnp.einsum("bkgrs,bksd->bkgrd", jax.nn.softmax(jnp.asarray(scores), -1), values))
+    assert np.isnan(plain[0, 0, 0, :2]).all()  # the behaviour matched
+    assert np.isnan(out[0, 0, 0, :2]).all() and np.isnan(lse[0, 0, 0, :2]).all()
+    np.testing.assert_allclose(out[0, 0, 0, 2], plain[0, 0, 0, 2], rtol=1e-5, atol=1e-6)

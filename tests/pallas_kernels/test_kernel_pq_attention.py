@@ -249,3 +249,22 @@ def test_kernel_only_rejections() -> None:
     assert "uint8 codes" in pq_kernel_unsupported_reason(**wide)
     assert "block_t" in pq_kernel_unsupported_reason(**args, block_t=24)
     assert pq_kernel_unsupported_reason(**args) is None
+
+
+@pytest.mark.parametrize("key_path", ["centroid", "lut"])
+def test_nan_query_gives_nan_row_not_a_finite_answer(key_path: str) -> None:
+    """A NaN query row comes out NaN from the kernel and the reference (every split of it),
+    the other rows are unchanged."""
+    case = Case(batch=2, num_kv_heads=2, group=2, seq_len=40)
+    inputs = make_inputs(case, seed=11)
+    clean = run_kernel(dict(inputs), block_t=16, num_splits=3, precision="fp32", key_path=key_path)
+    q = np.array(inputs["q"])
+    q[1, 3, 0] = np.nan  # batch 1, query head 3
+    inputs["q"] = jnp.asarray(q)
+    for out, lse in (run_kernel(inputs, block_t=16, num_splits=3, precision="fp32", key_path=key_path),
+                     pq_decode_attention_reference(**inputs)):
+        out, lse = np.asarray(out), np.asarray(lse)
+        assert np.isnan(out[1, 3]).all() and np.isnan(lse[1, 3])
+        keep = np.ones(lse.shape, bool)
+        keep[1, 3] = False
+        np.testing.assert_allclose(out[keep], np.asarray(clean[0])[keep], atol=2e-5, rtol=2e-5)
