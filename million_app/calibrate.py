@@ -217,9 +217,10 @@ def load_model_codebooks(path: str, model: LoadedModel) -> tuple[PQCodebooks, di
         books.check(c.n_layers, c.n_kv_heads, c.head_dim)
     except ValueError as e:
         raise UsageError(f"{path}: {e}") from None
-    if books.key_rope == "pre" and not np.allclose(books.rope_inv_freq, rope_inv_freq(c), rtol=1e-6):
-        raise UsageError(f"{path}: the keys were quantized before RoPE with other RoPE frequencies than "
-                         "this model's (rope_theta / rope scaling differ)")
+    try:
+        books.check_rope(rope_inv_freq(c))
+    except ValueError as e:
+        raise UsageError(f"{path}: {e}") from None
     return books, meta
 
 

@@ -48,6 +48,7 @@ from million_jax import rope
 from million_jax.attention.exact import causal_attention, einsum_f32
 from million_jax.cache.base import CacheOverflowError, KVCache
 from million_jax.cache.dense import DenseCache
+from million_jax.quant.kv_codebooks import PQCodebooks
 from models.config import LlamaConfig
 
 Params = dict[str, Any]
@@ -203,6 +204,8 @@ def _with_cache(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax
     chex.assert_shape(n_new, (b,))
     n_new = n_new.astype(jnp.int32)
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if isinstance(cache_consts, PQCodebooks):  # static frequencies: a trace-time check
+        cache_consts.check_rope(rope_inv_freq(config))
     consts = cache.layer_consts(cache_consts)
     if cache.num_layers != config.n_layers:
         raise ValueError(f"cache has {cache.num_layers} layers, model has {config.n_layers}")

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
+from million_jax import rope
 from million_jax.cache.base import KVCache, check_exact_tokens
 from million_jax.cache.dense import DenseCache
 from million_jax.cache.pq_cache import PQCache
@@ -103,6 +104,8 @@ def make_cache(spec: CacheSpec, model: Any, batch: int, max_len: int) -> tuple[K
         if spec.codebooks is None:
             raise ValueError("a pq cache needs codebooks=PQCodebooks (see million_jax.fit_kv_codebooks)")
         books = spec.codebooks.check(L, hkv, d)
+        if getattr(model, "rope_theta", None) is not None:  # a LLaMA-style config: RoPE known
+            books.check_rope(rope.rope_inv_freq(d, model.rope_theta, getattr(model, "rope_scaling", None)))
         cache = PQCache.for_codebooks(books, batch, hkv, max_len, window=spec.window, sinks=spec.sinks,
                                       dtype=spec.dtype, quantize_all=spec.quantize_all, impl=spec.impl)
         return cache, books

@@ -154,6 +154,22 @@ class PQCodebooks:
                              f"got shape {list(inv.shape)}")
         return dataclasses.replace(self, rope_inv_freq=tuple(float(x) for x in inv))
 
+    def check_rope(self, rope_inv_freq) -> None:
+        """ValueError unless these codebooks can serve a model whose RoPE frequencies are
+        ``rope_inv_freq`` float[d/2]: pre-RoPE keys are rotated inside attention by the
+        frequencies recorded at calibration, so another rope_theta or scaling would rotate every
+        key by the wrong angle. Post-RoPE codebooks carry no frequencies (nothing to check)."""
+        if self.rope_inv_freq is None:
+            return
+        want = np.asarray(rope_inv_freq, np.float64)
+        have = np.asarray(self.rope_inv_freq, np.float64)
+        if want.shape != have.shape or not np.allclose(have, want, rtol=1e-6, atol=0.0):
+            i = 0 if want.shape != have.shape else int(np.argmax(~np.isclose(have, want, rtol=1e-6, atol=0.0)))
+            detail = (f"{have.size} vs {want.size} frequencies" if want.shape != have.shape
+                      else f"pair {i}: {have[i]:.6g} vs the model's {want[i]:.6g}")
+            raise ValueError("these codebooks quantized keys before RoPE with other RoPE frequencies than the "
+                             f"model's ({detail}; rope_theta or rope scaling differ): calibrate them for this model")
+
     @property
     def key_rope(self) -> str:
         """"pre" (keys quantized before RoPE, RoPE-pair sub-spaces) or "post" (MILLION's choice)."""

@@ -125,3 +125,22 @@ def test_smollm2_4bit_logits_stay_close(smol):
     print(f"mean KL(dense || PQ) per token: 2 b/elem {kls[4]:.4f}, 4 b/elem {kls[8]:.4f}")
     assert kls[8] < 0.1
     assert kls[8] < kls[4]
+
+
+def test_pre_rope_codebooks_of_other_rope_frequencies_are_refused(tiny):
+    """Pre-RoPE codebooks record the frequencies they were fitted with; a model with another
+    rope_theta or rope scaling is refused by make_cache and by prefill (never rotated wrongly)."""
+    from million_jax import CacheSpec, make_cache
+    from million_jax.rope import RopeScaling
+    from models.llama import rope_inv_freq
+    cfg, params, books = tiny
+    pre = books.with_pre_rope_keys(rope_inv_freq(cfg))
+    make_cache(CacheSpec("pq", codebooks=pre, dtype=jnp.float32, impl="xla"), cfg, 1, 16)  # its own model: fine
+    for other in (cfg.replace(rope_theta=cfg.rope_theta * 2),
+                  cfg.replace(rope_scaling=RopeScaling("linear", factor=4.0))):
+        with pytest.raises(ValueError, match="other RoPE frequencies"):
+            make_cache(CacheSpec("pq", codebooks=pre, dtype=jnp.float32, impl="xla"), other, 1, 16)
+        cache = PQCache.for_codebooks(pre, 1, cfg.n_kv_heads, 16, dtype=jnp.float32, impl="xla")
+        with pytest.raises(ValueError, match="other RoPE frequencies"):
+            prefill(other, params, cache, jnp.ones((1, 4), jnp.int32), jnp.array([4]), pre)
+    make_cache(CacheSpec("pq", codebooks=books, dtype=jnp.float32, impl="xla"), cfg.replace(rope_theta=7.0), 1, 16)
