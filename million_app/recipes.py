@@ -54,6 +54,7 @@ from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks
 from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
 from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform
 from million_jax.quant.kv_codebooks import PQCodebooks
+from million_jax.quant.pq import check_nbits
 from models.llama import rope_inv_freq
 
 __all__ = ["Recipe", "RECIPES", "BEST_FOR_BITS", "recipe_for_bits", "fit_recipe"]
@@ -72,6 +73,32 @@ class Recipe:
     finetune_reassign: int = 0
     stages: int = 1
     rope: str = "post"
+
+    def __post_init__(self) -> None:
+        def is_int(x) -> bool:
+            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+        bad = None
+        if not isinstance(self.name, str) or not self.name:
+            bad = f"name must be a non-empty string, got {self.name!r}"
+        elif self.rope not in ("pre", "post"):
+            bad = f"rope must be 'pre' or 'post', got {self.rope!r}"
+        for field in ("key_dsub", "value_dsub", "stages", "key_nbits", "value_nbits"):
+            x = getattr(self, field)
+            if bad is None and (not is_int(x) or x < 1):
+                bad = f"{field} must be an integer >= 1, got {x!r}"
+        for field in ("key_nbits", "value_nbits"):
+            if bad is None:
+                try:
+                    check_nbits(getattr(self, field))
+                except ValueError as e:
+                    bad = f"{field}: {e}"
+        for field in ("finetune_steps", "finetune_reassign"):
+            x = getattr(self, field)
+            if bad is None and (not is_int(x) or x < 0):
+                bad = f"{field} must be an integer >= 0, got {x!r}"
+        if bad is not None:
+            raise UsageError(f"recipe {self.name!r}: {bad}")
 
     @property
     def finetune(self) -> FinetuneSettings | None:
@@ -149,6 +176,8 @@ BEST_FOR_BITS: dict[str, dict[int, str]] = {
 def recipe_for_bits(bits: int, key_rope: str = "pre") -> Recipe:
     """The recipe for ``--bits`` with keys quantized ``key_rope`` RoPE (UsageError for a budget
     without one)."""
+    if not isinstance(bits, (int, np.integer)) or isinstance(bits, bool):
+        raise UsageError(f"--bits must be an integer, got {bits!r}")
     table = BEST_FOR_BITS.get(key_rope)
     if table is None:
         raise UsageError(f"--rope must be one of {sorted(BEST_FOR_BITS)}, got {key_rope!r}")
@@ -157,6 +186,24 @@ def recipe_for_bits(bits: int, key_rope: str = "pre") -> Recipe:
         hint = f" (--rope {other[0]} has one)" if other else ""
         raise UsageError(f"--bits with --rope {key_rope} must be one of {sorted(table)}, got {bits}{hint}")
     return RECIPES[table[bits]]
+
+
+def _check_calibration_arrays(recipe: Recipe, c, k, v, q_gram, q_count) -> None:
+    """UsageError unless k, v are float[L, Hkv, N, d] of this model (same N >= 1) and, for a
+    query-aware recipe, q_gram float[L, Hkv, d, d] and q_count [L, Hkv]."""
+    lhd = (c.n_layers, c.n_kv_heads)
+    want = f"[{c.n_layers}, {c.n_kv_heads}, N, {c.head_dim}] (layers, KV heads, tokens, head_dim)"
+    for name, a in (("k", k), ("v", v)):
+        shape = tuple(np.shape(a))
+        if len(shape) != 4 or shape[:2] != lhd or shape[3] != c.head_dim or shape[2] < 1:
+            raise UsageError(f"recipe {recipe.name}: calibration {name} must be {want}, got {list(shape)}")
+    if np.shape(k) != np.shape(v):
+        raise UsageError(f"recipe {recipe.name}: calibration k {list(np.shape(k))} and v {list(np.shape(v))} differ")
+    if recipe.query_aware:
+        for name, a, shape in (("q_gram", q_gram, lhd + (c.head_dim, c.head_dim)), ("q_count", q_count, lhd)):
+            if a is None or tuple(np.shape(a)) != shape:
+                raise UsageError(f"recipe {recipe.name}: {name} must have shape {list(shape)} for this model, got "
+                                 f"{None if a is None else list(np.shape(a))}")
 
 
 def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.ndarray, q_count: np.ndarray, *,
@@ -172,6 +219,7 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
     needs ``k`` collected before RoPE (``calibration_kvq(..., key_rope="pre")``). The per-layer
     ``LayerFinetune`` reports are appended to ``finetune_report`` when it is a list."""
     c = model.config
+    _check_calibration_arrays(recipe, c, k, v, q_gram, q_count)
     kt = query_aware_key_transform(q_gram, q_count) if recipe.query_aware else None
     vt = (output_value_transform(np.asarray(model.params["layers"]["wo"], np.float32), c.n_heads, c.n_kv_heads)
           if recipe.output_aware else None)

@@ -128,3 +128,49 @@ def test_calibrate_bits_reports_counts_and_eta(cli, tiny_dir, tmp_path, monkeypa
                    "calibration forward (1 window of 512): 512/512 tokens", "k-means (pq4-pre): 1/", " fits, "):
         assert needle in res.err, (needle, res.err)
     assert any(line.startswith("  k-means (pq4-pre): ") and "ETA" in line for line in res.err.splitlines()), res.err
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(rope="mid"), "rope must be 'pre' or 'post'"),
+    (dict(key_dsub=0), "key_dsub must be an integer >= 1, got 0"),
+    (dict(value_dsub=2.0), "value_dsub must be an integer >= 1, got 2.0"),
+    (dict(stages=0), "stages must be an integer >= 1"),
+    (dict(key_nbits=13), r"key_nbits: nbits must be an int in \[1, 12\], got 13"),
+    (dict(value_nbits=True), "value_nbits must be an integer >= 1, got True"),
+    (dict(finetune_steps=-1), "finetune_steps must be an integer >= 0, got -1"),
+    (dict(name=""), "name must be a non-empty string"),
+])
+def test_bad_recipe_is_refused_when_made(change, match):
+    import dataclasses
+    from million_app.errors import UsageError
+    with pytest.raises(UsageError, match=match):
+        dataclasses.replace(RECIPES["pq4"], **change)
+
+
+def test_recipe_for_bits_refuses_a_non_integer():
+    from million_app.errors import UsageError
+    from million_app.recipes import recipe_for_bits
+    for bad in ("4", 4.0, True, None):
+        with pytest.raises(UsageError, match=f"--bits must be an integer, got {bad!r}"):
+            recipe_for_bits(bad)
+    assert recipe_for_bits(np.int64(4)).name == BEST_FOR_BITS["pre"][4]
+
+
+def test_fit_recipe_checks_its_calibration_arrays(tiny):
+    from million_app.errors import UsageError
+    from million_app.recipes import fit_recipe
+    c = tiny.config
+    L, h, d = c.n_layers, c.n_kv_heads, c.head_dim
+    k = np.zeros((L, h, 32, d), np.float32)
+    gram, count = np.zeros((L, h, d, d), np.float32), np.ones((L, h))
+    cases = [
+        ((k[:, :, :, :-1], k, gram, count), rf"calibration k must be \[{L}, {h}, N, {d}\]"),
+        ((k, k[None], gram, count), "calibration v must be"),
+        ((k, k[:, :, :0], gram, count), "calibration v must be"),
+        ((k, k[:, :, :16], gram, count), "calibration k .* and v .* differ"),
+        ((k, k, gram[..., :-1], count), rf"q_gram must have shape \[{L}, {h}, {d}, {d}\]"),
+        ((k, k, gram, None), "q_count must have shape"),
+    ]
+    for args, match in cases:
+        with pytest.raises(UsageError, match=match):
+            fit_recipe(RECIPES["pq4-qa"], tiny, *args, iters=1, max_vectors=64)
