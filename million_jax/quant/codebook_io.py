@@ -195,7 +195,7 @@ def save_kv_codebooks(path: str | os.PathLike, books: PQCodebooks,
     key, value = books.compact()
     meta = dict(metadata or {})
     meta.update(granularity=books.granularity, n_layers=books.num_layers, stages=books.stages,
-                key_rope=books.key_rope)
+                head_dim=books.head_dim, key_rope=books.key_rope)
     extras = {name: np.asarray(getattr(books, name), np.float32) for name in _KV_EXTRAS
               if getattr(books, name) is not None}
     save_codebooks(path, {"key": key, "value": value}, meta, extras, atomic=atomic)
@@ -216,6 +216,11 @@ def load_kv_codebooks(path: str | os.PathLike, expect: Mapping[str, Any] | None 
         books = PQCodebooks.from_centroids(tensors["key"].centroids, tensors["value"].centroids,
                                            meta.get("granularity"), num_layers=meta.get("n_layers"),
                                            stages=meta.get("stages", 1))
+        head_dim = meta.get("head_dim")  # older files lack it
+        if head_dim is not None and head_dim != books.head_dim:
+            raise ValueError(f"the metadata and the tensors disagree: head_dim {head_dim} recorded, but the key "
+                             f"tensor read as {books.stages} residual stage(s) (metadata stages={meta.get('stages', 1)!r}) "
+                             f"gives head_dim {books.head_dim} (edited or corrupt file)")
         books = books.with_transforms(extras.get("key_transform"), extras.get("value_transform"))
         key_rope = meta.get("key_rope", "post")
         if key_rope not in KEY_ROPE:

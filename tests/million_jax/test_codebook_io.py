@@ -99,3 +99,25 @@ def test_save_keeps_mode_of_replaced_file_and_leaves_nothing_on_failure(tmp_path
     with pytest.raises(ValueError, match="JSON"):
         save_codebooks(p, books, {"bad": object()})
     assert sorted(os.listdir(tmp_path)) == ["cb.safetensors"]   # no .tmp left behind
+
+
+def test_edited_stages_are_caught_by_the_recorded_head_dim(tmp_path):
+    """A K/V file whose metadata `stages` was edited would re-read the key tensor as residual
+    stages of half the head_dim; the recorded head_dim catches it with a clear error."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+    from million_jax.calibration.fit import fit_kv_codebooks
+    from million_jax.quant.codebook_io import load_kv_codebooks, save_kv_codebooks
+
+    x = np.random.default_rng(0).standard_normal((2, 2, 100, 16)).astype(np.float32)
+    kv = fit_kv_codebooks(x, x, M=8, nbits=3, key=jax.random.key(0), iters=1)
+    path = tmp_path / "kv.safetensors"
+    save_kv_codebooks(path, kv)
+    assert load_kv_codebooks(path)[0].head_dim == 16
+    with safe_open(str(path), framework="numpy") as f:
+        meta, tensors = f.metadata(), {n: f.get_tensor(n) for n in f.keys()}
+    header = json.loads(meta["million_jax"])
+    header["user"]["stages"] = 2
+    save_file(tensors, str(tmp_path / "edited.safetensors"), {**meta, "million_jax": json.dumps(header)})
+    with pytest.raises(CodebookFileError, match="metadata and the tensors disagree: head_dim 16 recorded.*gives head_dim 8"):
+        load_kv_codebooks(tmp_path / "edited.safetensors")
