@@ -27,10 +27,12 @@ Layers are matched with a model's codebooks in ``nnx.iter_graph`` order (``pq_la
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from million_jax.calibration.fit import DEFAULT_MAX_VECTORS
@@ -97,10 +99,13 @@ class PQMultiHeadAttention(nnx.MultiHeadAttention):
         """An empty PQ cache for inputs [*batch, max_length, features]; ``dtype`` of the exact
         sinks / window. Needs the codebooks (they set M and the code width). Clears ``overflow``."""
         books = self._books()
-        *batch, max_len, _ = input_shape
-        b = 1
-        for n in batch:
-            b *= int(n)
+        shape = tuple(input_shape)
+        if (len(shape) < 2 or not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1
+                                      for n in shape) or shape[-1] != self.in_features):
+            raise ValueError(f"PQMultiHeadAttention.init_cache: input_shape must be [*batch, max_length, features] "
+                             f"of positive ints with features == in_features {self.in_features}, got {input_shape!r}")
+        *batch, max_len, _ = shape
+        b = math.prod(int(n) for n in batch)
         arrays = empty_pq_cache(books, b, int(max_len), self.num_kv_heads, self.cache_spec, dtype)
         for name, arr in arrays.items():
             setattr(self, name, nnx.Cache(arr))

@@ -134,9 +134,17 @@ def attend_pq(books: PQCodebooks, arrays: dict[str, jax.Array], spec: CacheSpec,
     lengths = arrays["lengths"]
     b = lengths.shape[0]
     lead = query.shape[:-3]
-    if math.prod(lead) != b or key.shape[:-3] != lead or key.shape[-3] != query.shape[-3]:
-        raise ValueError(f"PQ cache holds {b} sequences, got query {query.shape} / key {key.shape} "
+    if query.ndim < 4 or key.ndim != query.ndim or value.shape != key.shape:
+        raise ValueError(f"{where}: query {query.shape}, key {key.shape} and value {value.shape} must be "
+                         "[*batch, T, heads, head_dim] with key and value of one shape")
+    if math.prod(lead) != b or key.shape[:-3] != lead:
+        raise ValueError(f"{where}: the cache holds {b} sequences, got query {query.shape} / key {key.shape} "
                          "([*batch, T, heads, head_dim] with prod(batch) == the cache's batch)")
+    if key.shape[-3] != query.shape[-3]:
+        raise ValueError(f"{where}: key/value have {key.shape[-3]} tokens but the query has {query.shape[-3]}: a "
+                         "cached (decode) call appends one key/value per query token")
+    if query.shape[-3] == 0:
+        raise ValueError(f"{where}: no tokens to append (T = 0 in query {query.shape})")
     codes = arrays["k_codes"]
     if key.shape[-2:] != (codes.shape[1], books.head_dim):
         raise ValueError(f"PQ cache is for {codes.shape[1]} KV heads of dim {books.head_dim}, got key {key.shape}")

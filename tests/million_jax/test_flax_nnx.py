@@ -140,6 +140,15 @@ def test_clear_errors():
     layer.init_cache((2, 8, D_MODEL))
     with pytest.raises(ValueError, match="holds 2 sequences"):
         layer(jnp.ones((3, 1, D_MODEL)))
+    with pytest.raises(ValueError, match=r"no tokens to append \(T = 0"):
+        layer(jnp.ones((2, 0, D_MODEL)))
+    with pytest.raises(ValueError, match="key/value have 3 tokens but the query has 1"):
+        layer(x, jnp.ones((2, 3, D_MODEL)))
+    for bad in ((2, D_MODEL // 2), (8, D_MODEL + 1), (2, 0, D_MODEL), (D_MODEL,), (2.0, 8, D_MODEL)):
+        with pytest.raises(ValueError, match=r"init_cache: input_shape must be \[\*batch, max_length, features\]"):
+            layer.init_cache(bad)
+    layer.init_cache((8, D_MODEL))  # no batch axes: one sequence, as the stock layer allows
+    layer.init_cache((2, 8, D_MODEL))
     with pytest.raises(ValueError, match="mask is not supported"):
         layer(x, mask=jnp.ones((2, 1, 1, 8), bool))
     with pytest.raises(ValueError, match="impl"):
