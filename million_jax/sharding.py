@@ -83,6 +83,7 @@ __all__ = [
     "LEAF_AXES",
     "make_mesh",
     "rules_for",
+    "check_mesh_axes",
     "logical_axes",
     "logical_to_spec",
     "tree_specs",
@@ -221,6 +222,17 @@ def _divisor_prefix(axes: Sequence[str], size: int, mesh_shape: Mapping[str, int
     return tuple(cand)
 
 
+def check_mesh_axes(mesh: Mesh, rules: Rules) -> None:
+    """ValueError if a mesh axis of size > 1 is named by no rule: everything would silently be
+    replicated over it (e.g. a mesh made with other axis names than the rules')."""
+    named = {a for axes in rules.values() for a in _as_tuple(axes)}
+    unused = [f"{a!r} (size {n})" for a, n in mesh.shape.items() if n > 1 and a not in named]
+    if unused:
+        raise ValueError(f"mesh axis {', '.join(unused)} is used by no sharding rule (the rules name "
+                         f"{sorted(named)}): nothing would be split over it. Name the mesh axes "
+                         f"{DATA!r} / {MODEL!r} (million_jax.sharding.make_mesh) or pass rules that use it")
+
+
 def rules_for(
     mesh: Mesh,
     config: Any = None,
@@ -249,6 +261,7 @@ def rules_for(
         raise ValueError("rules_for needs the head counts: pass config or n_heads and n_kv_heads")
     if n_heads % n_kv_heads:
         raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
+    check_mesh_axes(mesh, base)
     rules = dict(base)
     kv = _divisor_prefix(_as_tuple(base.get("kv_heads")), n_kv_heads, mesh.shape)
     rules["kv_heads"] = kv or None
@@ -309,6 +322,7 @@ def logical_to_spec(
 
 def tree_specs(tree: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> PyTree:
     """PartitionSpec per leaf of ``tree`` (arrays or ShapeDtypeStructs), from LEAF_AXES + rules."""
+    check_mesh_axes(mesh, rules)
 
     def one(path, leaf):
         shape = tuple(np.shape(leaf))

@@ -152,3 +152,16 @@ def test_abstract_tree_carries_shardings():
     abstract = S.abstract_tree(cache, m)
     assert isinstance(abstract.layers.k, jax.ShapeDtypeStruct) and abstract.layers.k.dtype == jnp.bfloat16
     assert abstract.layers.k.sharding.spec == P()      # size-1 mesh axes are left out of the spec
+
+
+def test_mesh_axis_no_rule_names_is_refused_not_silently_replicated():
+    """A mesh whose axes carry other names than the rules' would replicate everything over
+    them; rules_for and tree_specs refuse it. Size-1 axes of any name are harmless."""
+    odd = AbstractMesh((2, 4), ("batch", "tp"), axis_types=(AxisType.Auto,) * 2)
+    cache = jax.eval_shape(lambda: DenseCache.create(2, 8, 8, 32, 8))
+    with pytest.raises(ValueError, match=r"mesh axis 'batch' \(size 2\), 'tp' \(size 4\) is used by no sharding rule"):
+        S.rules_for(odd, CONFIG)
+    with pytest.raises(ValueError, match="'tp' .size 4. is used by no sharding rule"):
+        S.tree_specs(cache, odd)
+    extra = AbstractMesh((2, 4, 1), (S.DATA, S.MODEL, "pipe"), axis_types=(AxisType.Auto,) * 3)
+    assert S.tree_specs(cache, extra, S.rules_for(extra, CONFIG)).layers.k == P(None, "data", "model")
