@@ -41,6 +41,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["gather_centroids", "build_lut", "lut_scores", "quarter_turn", "rope_lut_scores", "rotate_pairs",
@@ -144,6 +145,12 @@ def check_rope_inv_freq(rope_inv_freq, num_subspaces: int, sub_dim: int) -> None
     if shape != (num_subspaces,) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"rope_inv_freq must be float32[M={num_subspaces}] (one frequency per key sub-space), "
                          f"got {dtype}{list(shape)}")
+    if not isinstance(rope_inv_freq, jax.core.Tracer):  # concrete: the values can be checked too
+        vals = np.asarray(rope_inv_freq, np.float64)
+        if not (np.isfinite(vals).all() and (vals > 0).all()):
+            bad = int(np.flatnonzero(~(np.isfinite(vals) & (vals > 0)))[0])
+            raise ValueError(f"rope_inv_freq must be finite and > 0 (RoPE inverse frequencies), got {float(vals[bad]):.6g} "
+                             f"at sub-space {bad}")
 
 
 # 2 / pi in binary, 24 bits per entry (fdlibm's ipio2 table): 1 / (2 pi) = this / 4.

@@ -161,6 +161,13 @@ def test_pre_rope_inputs_the_kernel_refuses_are_named():
         pq_decode_attention(**x, rope_inv_freq=f, key_path="lut", interpret=True)
     with pytest.raises(ValueError, match=r"float32\[M=32\]"):
         pq_decode_attention(**x, rope_inv_freq=f[:8], interpret=True)
+    for bad, shown in ((np.nan, "nan"), (0.0, "0"), (-1e-3, "-0.001"), (np.inf, "inf")):
+        g = np.array(f)
+        g[5] = bad
+        with pytest.raises(ValueError, match=f"finite and > 0.*got {shown} at sub-space 5"):
+            pq_decode_attention(**x, rope_inv_freq=jnp.asarray(g), interpret=True)
+        with pytest.raises(ValueError, match=f"finite and > 0.*got {shown} at sub-space 5"):
+            pq_decode_attention_reference(**x, rope_inv_freq=jnp.asarray(g))
     dsub4 = make_inputs(dataclasses.replace(PRE, num_subspaces=16), 0)
     assert "dsub = 2" in pq_kernel_unsupported_reason(**dsub4, rope_inv_freq=inv_freq(16))
     with pytest.raises(ValueError, match="dsub = 2"):
