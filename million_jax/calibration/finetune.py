@@ -90,6 +90,9 @@ class FinetuneSettings:
     tune_keys: bool = True
     tune_values: bool = True
 
+    def __post_init__(self) -> None:
+        self.check()  # bad settings are refused when made, not at the first fine-tuning step
+
     def check(self) -> "FinetuneSettings":
         if not isinstance(self.steps, (int, np.integer)) or self.steps < 0:
             raise ValueError(f"finetune: steps must be an int >= 0, got {self.steps!r}")

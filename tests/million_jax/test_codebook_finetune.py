@@ -198,12 +198,12 @@ def test_bad_inputs_raise_clear_errors(layer, change, match):
 
 
 @pytest.mark.parametrize("settings, match", [
-    (FinetuneSettings(steps=-1), "steps"),
-    (FinetuneSettings(learning_rate=float("nan")), "learning_rate"),
-    (FinetuneSettings(windows_per_step=0), "windows_per_step"),
-    (FinetuneSettings(tune_keys=False, tune_values=False), "nothing to tune"),
+    (dict(steps=-1), "steps"),
+    (dict(learning_rate=float("nan")), "learning_rate"),
+    (dict(windows_per_step=0), "windows_per_step"),
+    (dict(tune_keys=False, tune_values=False), "nothing to tune"),
 ])
-def test_bad_settings_raise(layer, settings, match):
-    kb, vb, q, k, v, pos = layer
+def test_bad_settings_raise_when_made(settings, match):
+    """Refused at construction, before any fine-tuning work."""
     with pytest.raises(ValueError, match=match):
-        finetune_layer(kb, vb, q, k, v, pos, window=T, settings=settings, key=jax.random.PRNGKey(0))
+        FinetuneSettings(**settings)
