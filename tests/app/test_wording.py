@@ -17,7 +17,7 @@ def test_codebooks_without_model_metadata_say_what_is_missing(error_line, cli, t
     if how == "save_kv_codebooks":  # the Python API, no metadata given
         books, _ = load_kv_codebooks(codebooks)
         save_kv_codebooks(path, books)
-        missing = ("n_kv_heads", "head_dim", "model_fingerprint")
+        missing = ("n_kv_heads", "model_fingerprint")  # head_dim is recorded by save_kv_codebooks
     else:  # the generic codebook writer: not even the layer count
         tensors, extras, _ = load_codebook_file(codebooks)
         save_codebooks(path, tensors, {}, extras)
