@@ -136,14 +136,15 @@ _SHARDED = textwrap.dedent("""
     f = jnp.asarray(1.0 / 10000 ** (np.arange(16) / 16), jnp.float32)
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
     km = KernelMesh(mesh, batch_axes=("data",), kv_axes=("model",))
-    got = pq_code_attention(q, kc, vc, kb, vb, lo, hi, impl="pallas", mesh=km, rope_inv_freq=f)
-    one = pq_code_attention(q, kc, vc, kb, vb, lo, hi, impl="pallas", rope_inv_freq=f)
-    ref = pq_code_attention(q, kc, vc, kb, vb, lo, hi, impl="xla", rope_inv_freq=f)
+    # jitted: eagerly, shard_map runs the interpret-mode kernel op by op (~40 s instead of ~2 s)
+    run = lambda **kw: jax.jit(lambda *a: pq_code_attention(*a, rope_inv_freq=f, **kw))(q, kc, vc, kb, vb, lo, hi)
+    got = run(impl="pallas", mesh=km)
+    one = run(impl="pallas")
+    ref = run(impl="xla")
     print(float(jnp.max(jnp.abs(got[0] - one[0]))), float(jnp.max(jnp.abs(got[0] - ref[0]))))
 """)
 
 
-@pytest.mark.slow  # ~45 s CPU: the interpret-mode kernel compiled per shard under shard_map
 def test_pre_rope_kernel_under_shard_map_matches_one_device():
     """Batch and KV heads split over a (2, 2) mesh of CPU devices; inv_freq replicated."""
     r = subprocess.run([sys.executable, "-c", _SHARDED, ROOT], capture_output=True, text=True, timeout=300)
