@@ -163,6 +163,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq3-pre", 2, 6, 2, 6, rope="pre"),
     Recipe("pq2-pre", 2, 4, 4, 8, rope="pre"),
     Recipe("pq2-pre-ow", 2, 4, 4, 8, output_aware=True, rope="pre"),
+    Recipe("pq2-pre-kv4", 2, 4, 2, 4, rope="pre"),  # one M for keys and values: the kernel can read it
 )}
 
 # key_rope -> bits per element -> recipe name, the measured best per budget (module docstring,

@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from million_jax.quant.kmeans import assign, kmeans
 
@@ -23,6 +23,7 @@ def test_recovers_separated_clusters():
     assert d.min(axis=0).max() < 0.1
 
 
+@settings(max_examples=6)  # each example compiles new shapes (~2 s on 2 cores)
 @given(
     seed=st.integers(0, 2**16),
     k=st.sampled_from([2, 8, 32]),

@@ -1,7 +1,7 @@
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from million_jax.quant.pq import (
     Codebooks,
@@ -19,6 +19,7 @@ def _data(seed, shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
+@settings(max_examples=6)  # each example compiles new shapes (~3 s on 2 cores)
 @given(
     seed=st.integers(0, 1000),
     groups=st.sampled_from([(), (2,), (2, 3)]),
