@@ -31,11 +31,13 @@ key/value read from codes, ppl vs dense 11.260; every recipe of ``RECIPES`` meas
                                 recipes_smollm2/residual/)
     1 b/elem  pq1-qa  +290.5%  (the only 1 b/elem recipe; measured, but far from usable)
 
-Keys before RoPE (``rope="pre"``, the default of ``calibrate``; benchmarks/results/prerope_smollm2,
-2026-12-03, same settings): pq4-pre +1.6% all / +0.4% realistic, and its codebooks from
-512-token windows keep the key error flat to 8K (0.18% -> 0.17%; post-RoPE 0.74% -> 29%), so
-``BEST_FOR_BITS["pre"]`` holds the pre-RoPE recipe of each budget; pq3-pre / pq2-pre are the
-RoPE-pair versions of pq3 / pq2 (their perplexity rows: that results README).
+Keys before RoPE (``rope="pre"``, the default of ``calibrate`` for 4 and 3 b/elem;
+benchmarks/results/prerope_smollm2, 2026-12-03, same settings, mean of k-means seeds 0 and 1,
+every key/value from codes): pq4-pre +2.0% (pq4-qa +2.7%), pq3-pre +12.6% (pq3-qa +13.6%),
+pq2-pre +85.5% (pq2-r2-qa +35.6%, so ``--bits 2`` keeps keys after RoPE; pq2-pre-kv4, one M for
+keys and values, +115%). Codebooks of pre-RoPE keys from 512-token windows keep the key error
+flat to 8K (0.18% -> 0.17%; post-RoPE 0.74% -> 29%) and lose +2.8% on 4096-token windows (pq4-qa
+from the same windows: +536%). pq3-pre / pq2-pre are the RoPE-pair versions of pq3 / pq2.
 
 With 4 exact sinks + 64 exact recent tokens (realistic/) plain pq4 (+0.2%) and pq2 (+2.2%)
 came out slightly ahead of pq4-qa (+0.5%) and pq2-qa (+2.3%); the table is picked on the
