@@ -176,10 +176,11 @@ def run_case(config: LlamaConfig, kind: str, mesh_shape: tuple[int, int] | None,
     res["cache"] = {jax.tree_util.keystr(path): np.asarray(x)
                     for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]}
     tok = jnp.asarray(out.tokens[:, -1])
-    step = decode_step.lower(config, params, cache, tok, books).compile()
+    traced = decode_step.trace(config, params, cache, tok, books)  # traced once: jaxpr and executable
+    step = traced.lower().compile()
     hlo = step.as_text()
     # interpret mode inlines the kernel into plain HLO: look for it in the traced program
-    jaxpr = str(decode_step.trace(config, params, cache, tok, books).jaxpr)
+    jaxpr = str(traced.jaxpr)
     res["pallas_kernel_in_step"] = "pallas_call" in jaxpr
     res["shard_map_in_step"] = "shard_map" in jaxpr
     l1, cache = step(params, cache, tok, books)
