@@ -77,30 +77,23 @@ class Recipe:
     rope: str = "post"
 
     def __post_init__(self) -> None:
-        def is_int(x) -> bool:
-            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+        def fail(what: str) -> None:
+            raise UsageError(f"recipe {self.name!r}: {what}")
 
-        bad = None
         if not isinstance(self.name, str) or not self.name:
-            bad = f"name must be a non-empty string, got {self.name!r}"
-        elif self.rope not in ("pre", "post"):
-            bad = f"rope must be 'pre' or 'post', got {self.rope!r}"
-        for field in ("key_dsub", "value_dsub", "stages", "key_nbits", "value_nbits"):
+            fail(f"name must be a non-empty string, got {self.name!r}")
+        if self.rope not in ("pre", "post"):
+            fail(f"rope must be 'pre' or 'post', got {self.rope!r}")
+        for field, low in (("key_dsub", 1), ("value_dsub", 1), ("stages", 1), ("key_nbits", 1), ("value_nbits", 1),
+                           ("finetune_steps", 0), ("finetune_reassign", 0)):
             x = getattr(self, field)
-            if bad is None and (not is_int(x) or x < 1):
-                bad = f"{field} must be an integer >= 1, got {x!r}"
+            if not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < low:
+                fail(f"{field} must be an integer >= {low}, got {x!r}")
         for field in ("key_nbits", "value_nbits"):
-            if bad is None:
-                try:
-                    check_nbits(getattr(self, field))
-                except ValueError as e:
-                    bad = f"{field}: {e}"
-        for field in ("finetune_steps", "finetune_reassign"):
-            x = getattr(self, field)
-            if bad is None and (not is_int(x) or x < 0):
-                bad = f"{field} must be an integer >= 0, got {x!r}"
-        if bad is not None:
-            raise UsageError(f"recipe {self.name!r}: {bad}")
+            try:
+                check_nbits(getattr(self, field))
+            except ValueError as e:
+                fail(f"{field}: {e}")
 
     @property
     def finetune(self) -> FinetuneSettings | None:
