@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -23,10 +24,24 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from million_app.errors import UsageError
-from million_jax import CacheOverflowError, CacheSpec, make_cache, rope
-from million_jax.quant.codebook_io import CodebookFileError
+from million_app.recipes import RECIPES, fit_recipe, recipe_for_bits
+from million_jax import CacheOverflowError, CacheSpec, PQCodebooks, make_cache, rope
+from million_jax import sharding
+from million_jax.attention.pq_dispatch import pq_code_attention
+from million_jax.cache import PQCache
+from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
+from million_jax.calibration.fit import fit_kv_codebooks
+from million_jax.flax import PQMultiHeadAttention
+from million_jax.quant.codebook_io import CodebookFileError, load_kv_codebooks, save_kv_codebooks
+from models import init_params, prefill, preset
+from models.llama import rope_inv_freq
+from pallas_kernels import merge_partials, pq_decode_attention
 
 CLEAR = (ValueError, UsageError, TypeError, CodebookFileError, CacheOverflowError)
 PROBES: list[tuple[str, str, str, Callable[[], object]]] = []  # (surface, what, expect regex | "nan", fn)
@@ -44,24 +59,22 @@ def _kv(rng, L=2, H=2, N=200, d=16):
 
 
 def _books(**kw):
-    from million_jax.calibration.fit import fit_kv_codebooks
     x = _kv(np.random.default_rng(0))
     kw.setdefault("M", 8)
     return fit_kv_codebooks(x, x, nbits=3, key=jax.random.key(0), iters=1, **kw)
 
 
+@functools.cache
 def _tiny():
-    from models import init_params, preset
+    """(config, params, codebooks) of a 2-layer tiny model; made once, shared by the probes."""
     cfg = preset("tiny").replace(n_layers=2)
     x = np.random.default_rng(0).standard_normal((2, cfg.n_kv_heads, 300, cfg.head_dim)).astype(np.float32)
-    from million_jax.calibration.fit import fit_kv_codebooks
     books = fit_kv_codebooks(x, x, M=cfg.head_dim // 2, nbits=4, key=jax.random.key(0), iters=1)
     return cfg, init_params(cfg, jax.random.key(0)), books
 
 
 # ---------------------------------------------------------------- recipes (million_app.recipes)
 def _recipe(**change):
-    from million_app.recipes import RECIPES
     return dataclasses.replace(RECIPES["pq4"], **change)
 
 
@@ -72,11 +85,11 @@ probe("recipes", "Recipe with stages=0", "stages must be an integer >= 1")(lambd
 probe("recipes", "Recipe with finetune_steps=-5", "finetune_steps must be an integer >= 0")(
     lambda: _recipe(finetune_steps=-5))
 probe("recipes", "recipe_for_bits('4') (a string)", "--bits must be an integer, got '4'")(
-    lambda: __import__("million_app.recipes", fromlist=["x"]).recipe_for_bits("4"))
+    lambda: recipe_for_bits("4"))
 probe("recipes", "recipe_for_bits(5)", "--bits with --rope pre must be one of")(
-    lambda: __import__("million_app.recipes", fromlist=["x"]).recipe_for_bits(5))
+    lambda: recipe_for_bits(5))
 probe("recipes", "recipe_for_bits(1, 'pre') (no pre-RoPE 1-bit recipe)", "--rope post has one")(
-    lambda: __import__("million_app.recipes", fromlist=["x"]).recipe_for_bits(1, "pre"))
+    lambda: recipe_for_bits(1, "pre"))
 
 
 class _Model:  # what fit_recipe reads of a LoadedModel
@@ -85,28 +98,28 @@ class _Model:  # what fit_recipe reads of a LoadedModel
 
 
 def _fit_recipe(name, k, v, gram, count):
-    from million_app.recipes import RECIPES, fit_recipe
     cfg, params, _ = _tiny()
     return fit_recipe(RECIPES[name], _Model(cfg, params), k, v, gram, count, iters=1, max_vectors=64)
 
 
-def _cal(cfg, n=64):
+def _cal(n=64):
+    """Calibration (k, q_gram, q_count) for the tiny model: float32[L, Hkv, n, d], identity Grams, counts 1."""
+    cfg = _tiny()[0]
     L, h, d = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
     x = np.random.default_rng(1).standard_normal((L, h, n, d)).astype(np.float32)
     return x, np.tile(np.eye(d, dtype=np.float32), (L, h, 1, 1)), np.ones((L, h))
 
 
 probe("recipes", "fit_recipe with k of the wrong head_dim", "calibration k must be")(
-    lambda: (lambda c: _fit_recipe("pq4", c[0][..., :-1], c[0], c[1], c[2]))(_cal(_tiny()[0])))
+    lambda: (lambda k, g, c: _fit_recipe("pq4", k[..., :-1], k, g, c))(*_cal()))
 probe("recipes", "fit_recipe with k and v of different token counts", "calibration k .* and v .* differ")(
-    lambda: (lambda c: _fit_recipe("pq4", c[0], c[0][:, :, :10], c[1], c[2]))(_cal(_tiny()[0])))
+    lambda: (lambda k, g, c: _fit_recipe("pq4", k, k[:, :, :10], g, c))(*_cal()))
 probe("recipes", "fit_recipe (query-aware) with q_gram of the wrong shape", "q_gram must have shape")(
-    lambda: (lambda c: _fit_recipe("pq4-qa", c[0], c[0], c[1][:1], c[2]))(_cal(_tiny()[0])))
+    lambda: (lambda k, g, c: _fit_recipe("pq4-qa", k, k, g[:1], c))(*_cal()))
 @probe("recipes", "fit_recipe of a pre-RoPE recipe that fine-tunes", "fine-tuning is not implemented")
 def _fit_ft_pre():
-    from million_app.recipes import fit_recipe
     cfg, params, _ = _tiny()
-    k, g, c = _cal(cfg)
+    k, g, c = _cal()
     r = _recipe(name="pq4-pre-ft", rope="pre", finetune_steps=3)
     return fit_recipe(r, _Model(cfg, params), k, k, g, c, iters=1, max_vectors=64, queries=(None, None, 64))
 
@@ -115,17 +128,16 @@ def _fit_ft_pre():
 probe("residual", "fit_kv_codebooks with stages=0", "stages")(lambda: _books(stages=0))
 probe("residual", "fit_kv_codebooks with stages='2' (a string)", "stages must be an integer")(lambda: _books(stages="2"))
 probe("residual", "fit_kv_codebooks with stages=2 and a NaN key", "NaN|finite")(
-    lambda: __import__("million_jax.calibration.fit", fromlist=["x"]).fit_kv_codebooks(
+    lambda: fit_kv_codebooks(
         np.full((2, 2, 50, 16), np.nan, np.float32), _kv(np.random.default_rng(0), N=50), M=8, nbits=3, stages=2,
         key=jax.random.key(0), iters=1))
 probe("fine-tuning", "FinetuneSettings(learning_rate=nan)", "learning_rate")(
-    lambda: __import__("million_jax.calibration.finetune", fromlist=["x"]).FinetuneSettings(learning_rate=float("nan")))
+    lambda: FinetuneSettings(learning_rate=float("nan")))
 probe("fine-tuning", "FinetuneSettings(steps=-1)", "steps must be an int >= 0")(
-    lambda: __import__("million_jax.calibration.finetune", fromlist=["x"]).FinetuneSettings(steps=-1))
+    lambda: FinetuneSettings(steps=-1))
 
 
 def _finetune(books, q=None, pos=None):
-    from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
     x = _kv(np.random.default_rng(0), N=64)
     q = np.random.default_rng(1).standard_normal((2, 2, 1, 16, 16)).astype(np.float32) if q is None else q
     pos = np.arange(16) * 4 if pos is None else pos
@@ -142,9 +154,6 @@ probe("fine-tuning", "finetune_codebooks on pre-RoPE codebooks", "before RoPE|pr
 
 # ---------------------------------------------------------------- Flax layers
 def _nnx(**kw):
-    from flax import nnx
-    from million_jax import PQCodebooks
-    from million_jax.flax import PQMultiHeadAttention
     rng = np.random.default_rng(0)
     shape = (1, 2, 4, 16, 2)  # [L, Hkv, M, K, dsub]: head_dim 8
     books = PQCodebooks.from_centroids(rng.standard_normal(shape), rng.standard_normal(shape))
@@ -166,31 +175,29 @@ probe("flax", "NNX decode call past max_length (eager)", "cannot take")(
 probe("flax", "NNX decode step with a NaN input (every key from codes)", "nan")(
     lambda: (lambda l: (l.init_cache((1, 8, 32)), l(jnp.full((1, 1, 32), jnp.nan)))[1])(_nnx()))
 probe("flax", "NNX layer given pre-RoPE codebooks (it applies no RoPE)", "RoPE")(
-    lambda: __import__("million_jax.flax", fromlist=["x"]).PQMultiHeadAttention(
+    lambda: PQMultiHeadAttention(
         4, 32, num_kv_heads=2, decode=True, codebooks=_books(M=8, rope_inv_freq=rope.rope_inv_freq(16, 1e4)),
-        rngs=__import__("flax").nnx.Rngs(0)))
+        rngs=nnx.Rngs(0)))
 
 
 # ---------------------------------------------------------------- sharding
 def _mesh(shape, names):
-    from jax.sharding import AbstractMesh, AxisType
     return AbstractMesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
 
 
 probe("sharding", "mesh axes named ('batch', 'tp'), none in the rules", "used by no sharding rule")(
-    lambda: __import__("million_jax.sharding", fromlist=["x"]).rules_for(_mesh((2, 4), ("batch", "tp")), _tiny()[0]))
+    lambda: sharding.rules_for(_mesh((2, 4), ("batch", "tp")), _tiny()[0]))
 probe("sharding", "rules_for without head counts", "head counts")(
-    lambda: __import__("million_jax.sharding", fromlist=["x"]).rules_for(_mesh((2, 4), ("data", "model"))))
+    lambda: sharding.rules_for(_mesh((2, 4), ("data", "model"))))
 probe("sharding", "tree_specs of a leaf no rule knows", "no sharding rule for a leaf named 'mystery'")(
-    lambda: __import__("million_jax.sharding", fromlist=["x"]).tree_specs(
+    lambda: sharding.tree_specs(
         {"mystery": np.zeros((2, 2))}, _mesh((2, 4), ("data", "model"))))
 probe("sharding", "make_mesh shape and axis names of different lengths", "differ in length")(
-    lambda: __import__("million_jax.sharding", fromlist=["x"]).make_mesh((1, 1), ("data",)))
+    lambda: sharding.make_mesh((1, 1), ("data",)))
 
 
 # ---------------------------------------------------------------- keys before RoPE
 def _pre_cfg_books():
-    from models.llama import rope_inv_freq
     cfg, params, books = _tiny()
     return cfg, params, books.with_pre_rope_keys(rope_inv_freq(cfg))
 
@@ -201,8 +208,6 @@ probe("pre-RoPE", "make_cache: pre-RoPE codebooks, model with another rope_theta
 
 
 def _prefill_other_theta():
-    from million_jax.cache import PQCache
-    from models import prefill
     cfg, params, pre = _pre_cfg_books()
     cache = PQCache.for_codebooks(pre, 1, cfg.n_kv_heads, 16, dtype=jnp.float32, impl="xla")
     return prefill(cfg.replace(rope_theta=5e5), params, cache, jnp.ones((1, 4), jnp.int32), jnp.array([4]), pre)
@@ -220,7 +225,6 @@ probe("pre-RoPE", "query-aware key transform on pre-RoPE codebooks", "RoPE|trans
 
 
 def _kernel_freq(bad):
-    from pallas_kernels import pq_decode_attention
     rng = np.random.default_rng(0)
     codes = jnp.asarray(rng.integers(0, 16, (1, 1, 20, 32)), jnp.uint8)  # [B, Hkv, T, M]
     books = jnp.asarray(rng.standard_normal((1, 32, 16, 2)), jnp.float32)  # [G, M, K, dsub]
@@ -237,9 +241,6 @@ probe("pre-RoPE", "kernel with a zero RoPE frequency", "finite and > 0")(lambda:
 
 # ---------------------------------------------------------------- codebook files
 def _edited_file(edit: dict | None = None, drop: str | None = None, truncate: bool = False):
-    from safetensors import safe_open
-    from safetensors.numpy import save_file
-    from million_jax.quant.codebook_io import load_kv_codebooks, save_kv_codebooks
     d = tempfile.mkdtemp()
     path = os.path.join(d, "kv.safetensors")
     save_kv_codebooks(path, _books(rope_inv_freq=rope.rope_inv_freq(16, 1e4)))
@@ -268,7 +269,6 @@ probe("files", "K/V file truncated to half", "corrupt or truncated")(lambda: _ed
 
 # ---------------------------------------------------------------- attention math
 def _merge_nan():
-    from pallas_kernels import merge_partials
     lse = jnp.array([[0.5], [jnp.nan]])
     out = jnp.ones((2, 1, 4))
     return merge_partials([out[0], out[1]], [lse[0], lse[1]])[0]
@@ -278,7 +278,6 @@ probe("attention", "merge of a finite partial and a NaN partial", "nan")(_merge_
 
 
 def _attn_nan_query():
-    from million_jax.attention.pq_dispatch import pq_code_attention
     rng = np.random.default_rng(3)
     books = _books()  # layer_head: [L, Hkv, M, K, dsub]
     codes = jnp.asarray(rng.integers(0, 8, (1, 2, 12, 8)), jnp.uint8)
