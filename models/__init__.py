@@ -1,4 +1,4 @@
-"""LLaMA-family models for million-jax: config, functional model, loading, generation.
+"""Decoder models for million-jax (LLaMA, Gemma 3): config, functional model, loading, generation.
 
 Pure functions take ``(config, params, ...)`` explicitly; ``prefill`` / ``decode_step`` are
 jitted with the cache donated, and ``check_room`` is the host's overflow check before them::
@@ -9,19 +9,22 @@ jitted with the cache donated, and ``check_room`` is the host's overflow check b
     ids = model.encode("The quick brown fox")
     res = generate(model.config, model.params, cache, [ids], [len(ids)], max_new_tokens=20)
 """
-from models.config import PRESETS, LlamaConfig, RopeScaling, preset
+from models.config import PRESETS, DecoderConfig, LlamaConfig, RopeScaling, preset
 from models.errors import CheckpointError, ConfigError, ModelNotInstalledError
 from models.generate import (STOP_CACHE_FULL, STOP_EOS, STOP_MAX_TOKENS, GenerateResult,
                              check_sampling, generate, sample_logits)
-from models.llama import (Params, cast_params, check_room, decode_step, forward, init_cache,
-                          init_params, param_shapes, prefill)
+from models.decoder import (ContextLengthError, Params, cast_params, check_context, check_room, decode_step,
+                            fill_cache, forward, init_cache, init_params, layer_inv_freqs, param_shapes, prefill,
+                            rope_inv_freq)
+from models.families import FAMILIES, Family
 from models.loading import LoadedModel, load_model, smollm2_gguf_path
 
 __all__ = [
-    "LlamaConfig", "RopeScaling", "PRESETS", "preset",
+    "DecoderConfig", "LlamaConfig", "RopeScaling", "Family", "FAMILIES", "PRESETS", "preset",
     "CheckpointError", "ConfigError", "ModelNotInstalledError",
     "Params", "param_shapes", "init_params", "cast_params", "init_cache",
-    "forward", "prefill", "decode_step", "check_room",
+    "forward", "prefill", "fill_cache", "decode_step", "check_room", "check_context", "ContextLengthError",
+    "rope_inv_freq", "layer_inv_freqs",
     "generate", "GenerateResult", "check_sampling", "sample_logits", "STOP_EOS", "STOP_MAX_TOKENS",
     "STOP_CACHE_FULL",
     "LoadedModel", "load_model", "smollm2_gguf_path",

@@ -30,7 +30,7 @@ import numpy as np
 
 from million_jax.cache.base import KVCache
 from models.config import LlamaConfig
-from models.llama import Params, decode_step, prefill
+from models.decoder import Params, decode_step, prefill
 
 __all__ = ["GenerateResult", "generate", "sample_logits", "STOP_RUNNING", "STOP_EOS",
            "STOP_MAX_TOKENS", "STOP_CACHE_FULL", "STOP_NAMES"]

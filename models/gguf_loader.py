@@ -1,11 +1,14 @@
-"""Loading a LLaMA-architecture GGUF file (llama.cpp format) with the ``gguf`` package.
+"""Loading a GGUF file (llama.cpp format; LLaMA or Gemma 3) with the ``gguf`` package.
 
-* hyper-parameters come from ``{arch}.*`` metadata (arch must be ``llama``);
+* hyper-parameters come from ``{arch}.*`` metadata (arch ``llama`` or ``gemma3``; what a
+  Gemma 3 file does not carry, the sliding pattern and the local RoPE base, comes from
+  ``models.families.GEMMA3_DEFAULTS``);
 * every tensor is dequantized to f32 with ``gguf.quants.dequantize`` (any
   llama.cpp quant type: Q4_0/Q4_1/Q8_0/K-quants/F16/...);
-* llama.cpp's converter permutes the rows of the Q and K projections (it
+* llama.cpp's converter permutes the rows of LLaMA's Q and K projections (it
   interleaves the two RoPE halves of each head); we undo it so the weights use
-  HF's half-split RoPE layout (``_unpermute``);
+  HF's half-split RoPE layout (``_unpermute``); Gemma 3 files are not permuted, and store
+  their norms with the +1 already added, as we hold them;
 * a ``rope_freqs.weight`` tensor (LLaMA-3.1 files) becomes
   ``RopeScaling(kind="freq_factors")``;
 * the tokenizer is built from ``tokenizer.ggml.*`` (models/tokenizer.py).
@@ -20,24 +23,14 @@ import numpy as np
 
 from models.config import LlamaConfig, RopeScaling
 from models.errors import CheckpointError, ConfigError
-from models.llama import Params
+from models.config import gemma3_layer_types
+from models.decoder import Params
+from models.families import FAMILIES, GEMMA3_DEFAULTS
 from models.weights import build_params
 
-_GLOBAL = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
-           "lm_head": "output.weight"}
-_LAYER = {
-    "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
-    "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
-    "wo": "attn_output.weight",
-    "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias", "bo": "attn_output.bias",
-    "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
-    "b_gate": "ffn_gate.bias", "b_up": "ffn_up.bias", "b_down": "ffn_down.bias",
-}
-
-
-def gguf_tensor_name(key: str, layer: int | None) -> str:
+def gguf_tensor_name(key: str, layer: int | None, family: str = "llama") -> str:
     """The GGUF name of our param ``key`` (``layer`` for per-layer ones)."""
-    return _GLOBAL[key] if layer is None else f"blk.{layer}.{_LAYER[key]}"
+    return FAMILIES[family].gguf_name(key, layer)
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -80,10 +73,11 @@ def _metadata(reader) -> dict[str, Any]:
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> LlamaConfig:
     """LlamaConfig from GGUF metadata; CheckpointError naming the missing field."""
     arch = meta.get("general.architecture")
-    if arch != "llama":
+    fam = next((f for f in FAMILIES.values() if f.gguf_arch == arch), None)
+    if fam is None:
         raise CheckpointError(
             f"{source}: unsupported architecture general.architecture={arch!r}; "
-            "only 'llama' is supported")
+            f"supported: {sorted(f.gguf_arch for f in FAMILIES.values())}")
 
     def need(field: str) -> Any:
         key = f"{arch}.{field}"
@@ -111,6 +105,17 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str)
         raise CheckpointError(f"{source}: unsupported {arch}.rope.scaling.type="
                               f"{meta[f'{arch}.rope.scaling.type']!r}")
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    extra: dict[str, Any] = {}
+    if fam.name == "gemma3":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if meta.get(f"{arch}.{key}"):
+                raise CheckpointError(f"{source}: {arch}.{key} is set; soft-capping is not supported")
+        n_layers = int(need("block_count"))
+        extra = dict(family="gemma3", layer_types=gemma3_layer_types(n_layers),
+                     sliding_window=int(meta.get(f"{arch}.attention.sliding_window")
+                                        or GEMMA3_DEFAULTS["sliding_window"]),
+                     rope_local_theta=GEMMA3_DEFAULTS["rope_local_theta"],
+                     query_pre_attn_scalar=float(head_dim))
     try:
         return LlamaConfig(
             vocab=int(vocab),
@@ -129,6 +134,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str)
             bos_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_ids=() if eos is None else (int(eos),),
             max_position_embeddings=int(meta.get(f"{arch}.context_length", 4096)),
+            **extra,
         )
     except ConfigError as e:
         raise CheckpointError(f"{source}: {e}") from e
@@ -166,11 +172,15 @@ def load_gguf(path: str, dtype: Any = jnp.float32,
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_gguf(meta, tensors, path)
 
+    fam = config.traits
+
     def fetch(key: str, layer: int | None) -> tuple[str, np.ndarray]:
-        name = gguf_tensor_name(key, layer)
+        name = fam.gguf_name(key, layer)
         if name not in tensors:
             raise CheckpointError(f"{path}: missing tensor {name!r}")
         w = _dequant(tensors[name], path)
+        if not fam.permuted_qk_gguf:
+            return name, w
         heads = {"wq": config.n_heads, "bq": config.n_heads,
                  "wk": config.n_kv_heads, "bk": config.n_kv_heads}.get(key)
         # (a wrong row count is left for build_params to report with the tensor name)

@@ -1,4 +1,7 @@
-"""Loading an HF-format LLaMA directory: config.json + *.safetensors (+ tokenizer.json).
+"""Loading an HF-format directory (LLaMA, Gemma 3 text): config.json + *.safetensors (+ tokenizer.json).
+
+Tensor names come from the family (``models/families.py``); Gemma's norms are stored as
+``w`` and held as ``1 + w`` (``Family.hf_norm_offset``).
 
 Safetensors files are read with a small header parser and ``np.memmap`` (no
 pickle, no torch), so every problem can be reported precisely: a header that
@@ -18,7 +21,8 @@ import numpy as np
 
 from models.config import LlamaConfig
 from models.errors import CheckpointError, ConfigError
-from models.llama import Params
+from models.decoder import Params
+from models.families import FAMILIES
 from models.weights import build_params
 
 _DTYPES = {
@@ -27,26 +31,9 @@ _DTYPES = {
     "BOOL": np.bool_,
 }
 
-# our key -> HF tensor name (per-layer names are under "model.layers.{i}.")
-_HF_GLOBAL = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
-              "lm_head": "lm_head.weight"}
-_HF_LAYER = {
-    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
-    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
-    "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
-    "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
-    "bv": "self_attn.v_proj.bias", "bo": "self_attn.o_proj.bias",
-    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
-    "w_down": "mlp.down_proj.weight",
-    "b_gate": "mlp.gate_proj.bias", "b_up": "mlp.up_proj.bias", "b_down": "mlp.down_proj.bias",
-}
-
-
-def hf_tensor_name(key: str, layer: int | None) -> str:
+def hf_tensor_name(key: str, layer: int | None, family: str = "llama") -> str:
     """The HF checkpoint name of our param ``key`` (``layer`` for per-layer ones)."""
-    if layer is None:
-        return _HF_GLOBAL[key]
-    return f"model.layers.{layer}.{_HF_LAYER[key]}"
+    return FAMILIES[family].hf_name(key, layer)
 
 
 class SafetensorsFile:
@@ -155,11 +142,16 @@ def load_hf_dir(path: str, dtype: Any = None) -> tuple[LlamaConfig, Params, Any]
     config = read_hf_config(path)
     where = _open_shards(path)
 
+    fam = config.traits
+
     def fetch(key: str, layer: int | None) -> tuple[str, np.ndarray]:
-        name = hf_tensor_name(key, layer)
+        name = fam.hf_name(key, layer)
         if name not in where:
             raise CheckpointError(f"{path}: missing tensor {name!r}")
-        return name, where[name].get(name)
+        arr = where[name].get(name)
+        if fam.hf_norm_offset and key.endswith("norm"):
+            arr = np.asarray(arr, np.float32) + np.float32(fam.hf_norm_offset)
+        return name, arr
 
     if dtype is None:
         emb = hf_tensor_name("embed", None)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from models.config import LlamaConfig
 from models.errors import CheckpointError, ModelNotInstalledError
-from models.llama import Params, forward, init_cache
+from models.decoder import Params, forward, init_cache
 
 __all__ = ["LoadedModel", "load_model", "smollm2_gguf_path", "SMOLLM2_PIP"]
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from models.config import LlamaConfig
 from models.errors import CheckpointError
-from models.llama import Params, param_shapes
+from models.decoder import Params, param_shapes
 
 # fetch(key, layer) -> (tensor name in the checkpoint, array in [out, in] orientation)
 Fetch = Callable[[str, "int | None"], "tuple[str, np.ndarray]"]

@@ -19,8 +19,12 @@ import jax.numpy as jnp
 from million_jax import rope
 from million_jax.cache.base import KVCache, check_exact_tokens
 from million_jax.cache.dense import DenseCache
+from million_jax.cache.hybrid import HybridCache
 from million_jax.cache.pq_cache import PQCache
 from million_jax.cache.uniform_cache import UniformCache
+from million_jax.cache.kivi_cache import KiviCache, check_kivi
+from million_jax.cache.turboquant_cache import TurboQuantCache, turboquant_consts
+from million_jax.quant.turboquant import check_bits as check_turboquant_bits
 from million_jax.attention.pq_dispatch import check_impl
 from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.quant.uniform import BITS as UNIFORM_BITS
@@ -28,7 +32,7 @@ from million_jax.quant.uniform import check_mode
 
 __all__ = ["CACHE_KINDS", "CacheShape", "CacheSpec", "make_cache"]
 
-CACHE_KINDS = ("dense", "pq", "uniform")
+CACHE_KINDS = ("dense", "pq", "uniform", "turboquant", "kivi")
 
 
 class CacheShape(NamedTuple):
@@ -55,6 +59,10 @@ class CacheSpec:
                    e.g. a Flax layer's, but :func:`make_cache` needs them)
     impl:          "auto" | "xla" | "pallas": attention over PQ codes
     bits, group_size, uniform_mode, tile: UniformCache settings (kind "uniform"; bits required)
+    kind "turboquant": ``bits`` per coordinate (2, 2.5, 3, 3.5, 4, ...; required), ``seed`` of the
+                   per-layer rotations, ``qjl`` (keys spend one bit on the QJL residual)
+    kind "kivi":   KIVI as published: ``bits`` 2 / 4 / 8, ``group_size`` G, ``window`` = R exact
+                   recent tokens (a multiple of G; 0 with ``quantize_all``), no sinks
     """
 
     kind: str = "dense"
@@ -68,6 +76,8 @@ class CacheSpec:
     group_size: int = 32
     uniform_mode: str = "kivi"
     tile: int = 512
+    seed: int = 0
+    qjl: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:
@@ -88,27 +98,70 @@ class CacheSpec:
             check_mode(self.uniform_mode, self.bits, self.group_size)
             if self.tile < 1:
                 raise ValueError(f"tile must be >= 1, got {self.tile}")
+        elif self.kind == "turboquant":
+            if self.bits is None:
+                raise ValueError("a turboquant cache needs bits (e.g. 2, 2.5, 3, 3.5 or 4 per coordinate)")
+            check_turboquant_bits(self.bits, qjl=self.qjl)
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+                raise ValueError(f"turboquant seed must be an int >= 0, got {self.seed!r}")
+        elif self.kind == "kivi":
+            if self.bits is None:
+                raise ValueError(f"a kivi cache needs bits (one of {UNIFORM_BITS})")
+            if self.sinks:
+                raise ValueError(f"KIVI keeps no exact first tokens (sinks={self.sinks}); its exact tokens are the "
+                                 "window of R recent ones")
+            check_kivi(self.bits, self.group_size, 0 if self.quantize_all else self.window)
         elif self.bits is not None:
-            raise ValueError(f"bits are a setting of a uniform cache, not of a {self.kind} cache")
+            raise ValueError(f"bits are a setting of a uniform, turboquant or kivi cache, not of a {self.kind} cache")
+        if self.qjl and self.kind != "turboquant":
+            raise ValueError(f"qjl (the QJL key residual) is a setting of a turboquant cache, not of a {self.kind} cache")
         if self.quantize_all:  # MILLION's protocol keeps nothing exact
             object.__setattr__(self, "window", 0)
             object.__setattr__(self, "sinks", 0)
 
 
 def make_cache(spec: CacheSpec, model: Any, batch: int, max_len: int) -> tuple[KVCache, PQCodebooks | None]:
-    """(empty cache, cache_consts) of ``spec`` for ``model``'s shape; bad settings: ValueError."""
-    L, hkv, d = int(model.n_layers), int(model.n_kv_heads), int(model.head_dim)
+    """(empty cache, cache_consts) of ``spec`` for ``model``'s shape; bad settings: ValueError.
+
+    A model with sliding-window layers (``model.is_sliding`` / ``model.sliding_window``, as a
+    Gemma 3 config has) gets a :class:`~million_jax.cache.hybrid.HybridCache`: ``spec``'s kind for
+    its global layers (codebooks for those layers only), an exact ring for the sliding ones.
+    """
+    sliding = tuple(getattr(model, "is_sliding", ()) or ())
+    if not any(sliding):
+        return _make_uniform_kind(spec, model, int(model.n_layers), batch, max_len)
+    n_glob = sliding.count(False)
+    glob, consts = _make_uniform_kind(spec, model, n_glob, batch, max_len)
+    return HybridCache.create(glob, sliding, int(model.sliding_window), spec.dtype), consts
+
+
+def _make_uniform_kind(spec: CacheSpec, model: Any, L: int, batch: int,
+                       max_len: int) -> tuple[KVCache, PQCodebooks | None]:
+    """The cache of ``spec.kind`` for ``L`` layers of ``model``'s heads."""
+    hkv, d = int(model.n_kv_heads), int(model.head_dim)
     if spec.kind == "dense":
         return DenseCache.create(L, batch, hkv, max_len, d, spec.dtype), None
     if spec.kind == "pq":
         if spec.codebooks is None:
             raise ValueError("a pq cache needs codebooks=PQCodebooks (see million_jax.fit_kv_codebooks)")
+        if spec.codebooks.num_layers != L:
+            raise ValueError(f"the codebooks cover {spec.codebooks.num_layers} layers, but the model has {L} "
+                             "layers that read codes (its global layers)")
         books = spec.codebooks.check(L, hkv, d)
         if getattr(model, "rope_theta", None) is not None:  # a LLaMA-style config: RoPE known
             books.check_rope(rope.rope_inv_freq(d, model.rope_theta, getattr(model, "rope_scaling", None)))
         cache = PQCache.for_codebooks(books, batch, hkv, max_len, window=spec.window, sinks=spec.sinks,
                                       dtype=spec.dtype, quantize_all=spec.quantize_all, impl=spec.impl)
         return cache, books
+    if spec.kind == "turboquant":
+        cache = TurboQuantCache.create(L, batch, hkv, max_len, d, bits=spec.bits, qjl=spec.qjl, window=spec.window,
+                                       sinks=spec.sinks, dtype=spec.dtype, quantize_all=spec.quantize_all,
+                                       tile=spec.tile)
+        return cache, turboquant_consts(L, d, spec.seed, spec.qjl)
+    if spec.kind == "kivi":
+        return KiviCache.create(L, batch, hkv, max_len, d, bits=spec.bits, group_size=spec.group_size,
+                                residual=spec.window, dtype=spec.dtype, quantize_all=spec.quantize_all,
+                                tile=spec.tile), None
     cache = UniformCache.create(L, batch, hkv, max_len, d, bits=spec.bits, group_size=spec.group_size,
                                 mode=spec.uniform_mode, window=spec.window, sinks=spec.sinks, dtype=spec.dtype,
                                 quantize_all=spec.quantize_all, tile=spec.tile)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.config import LlamaConfig, RopeScaling
+from models.config import LlamaConfig, RopeScaling, preset
 
 # Small configs covering the variants the loader and model must get right.
 HF_CONFIGS = {
@@ -23,6 +23,17 @@ HF_CONFIGS = {
 }
 
 
+# Gemma 3 variants: sliding + global layers (window 8), query_pre_attn_scalar != head_dim,
+# and a GQA 2:1 one with linear RoPE scaling on the global layers.
+HF_GEMMA3_CONFIGS = {
+    "gemma3_tiny": preset("tiny-gemma3"),
+    "gemma3_gqa_linear": preset("tiny-gemma3").replace(
+        n_layers=4, n_kv_heads=2, head_dim=16, query_pre_attn_scalar=0.0, sliding_window=5,
+        layer_types=("sliding", "global", "sliding", "global"),
+        rope_scaling=RopeScaling("linear", factor=4.0)),
+}
+
+
 def make_hf_model(config: LlamaConfig, seed: int = 0, std: float = 0.15):
     """A random-weight transformers LlamaForCausalLM (fp32, eval mode) for ``config``.
 
@@ -33,13 +44,20 @@ def make_hf_model(config: LlamaConfig, seed: int = 0, std: float = 0.15):
     import torch
     import transformers
 
-    hf_cfg = transformers.LlamaConfig(**config.to_hf_dict(), initializer_range=std)
+    if config.family == "gemma3":
+        hf_cfg = transformers.Gemma3TextConfig(**config.to_hf_dict(), initializer_range=std)
+        hf_cfg._attn_implementation = "eager"
+        cls = transformers.Gemma3ForCausalLM
+    else:
+        hf_cfg = transformers.LlamaConfig(**config.to_hf_dict(), initializer_range=std)
+        cls = transformers.LlamaForCausalLM
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(hf_cfg).float().eval()
+    model = cls(hf_cfg).float().eval()
+    offset = 0.0 if config.family == "gemma3" else 1.0  # Gemma's norm weight w scales by 1 + w
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                p.copy_(offset + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     return model

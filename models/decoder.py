@@ -1,4 +1,9 @@
-"""A functional LLaMA-family decoder: RMSNorm, RoPE (+ llama3 scaling), GQA, SwiGLU.
+"""The decoder skeleton every family shares: params pytree, layer scan, cache protocol, entry points.
+
+LLaMA (RMSNorm, RoPE + llama3 scaling, GQA, SwiGLU) and Gemma 3 (QK-norm, sandwich norms,
+GeGLU, scaled embeddings, sliding and global layers with their own RoPE bases) are one block
+function here, steered by the family's traits (``models/families.py``) and the config
+(``layer_types``, ``rope_local_theta``, ``query_pre_attn_scalar``).
 
 Why plain functions over a parameter pytree, with Flax only for initialisers
 (rather than ``linen.Module`` or ``nnx.Module``):
@@ -25,13 +30,19 @@ Params pytree (weights are ``[in, out]``, i.e. ``y = x @ w``; ``D = hidden``,
                 "w_gate": [L, D, F], "w_up": [L, D, F], "w_down": [L, F, D],
                 # only with config.attention_bias: "bq" [L, H*d], "bk", "bv" [L, Hkv*d], "bo" [L, D]
                 # only with config.mlp_bias: "b_gate", "b_up" [L, F], "b_down" [L, D]
+                # only gemma3 (qk_norm, sandwich_norms): "q_norm", "k_norm" [L, d],
+                #   "post_attn_norm", "post_mlp_norm" [L, D]
                },
      "final_norm": [D],
      "lm_head":    [D, V]}          # absent when config.tie_word_embeddings
 
 All leaves share one float dtype (fp32 or bf16); matmuls run in that dtype,
 RMSNorm statistics, RoPE, softmax and the logits are computed in fp32.
-Logits are always f32.
+Logits are always f32. Norm weights are the multiplier itself (Gemma's 1 + w).
+
+Sliding layers (``config.is_sliding``) need a cache that keeps their window
+(``million_jax.make_cache`` builds a ``HybridCache`` for such a config); the cache-free
+``forward`` masks them itself.
 """
 from __future__ import annotations
 
@@ -45,16 +56,17 @@ import numpy as np
 from flax.nnx import initializers
 
 from million_jax import rope
-from million_jax.attention.exact import causal_attention, einsum_f32
+from million_jax.attention.exact import attention, einsum_f32
 from million_jax.cache.base import CacheOverflowError, KVCache
-from million_jax.cache.dense import DenseCache
+from million_jax.cache.hybrid import check_layer_kinds
+from million_jax.cache.spec import CacheSpec, make_cache
 from million_jax.quant.kv_codebooks import PQCodebooks
 from models.config import LlamaConfig
 
 Params = dict[str, Any]
 
 __all__ = ["Params", "param_shapes", "init_params", "cast_params", "init_cache",
-           "rope_inv_freq", "forward", "prefill", "decode_step", "check_room"]
+           "rope_inv_freq", "layer_inv_freqs", "forward", "fill_cache", "check_context", "ContextLengthError", "prefill", "decode_step", "check_room"]
 
 
 # ---------------------------------------------------------------- parameters
@@ -72,6 +84,8 @@ def param_shapes(config: LlamaConfig) -> Params:
         layers.update(bq=(L, qd), bk=(L, kvd), bv=(L, kvd), bo=(L, D))
     if c.mlp_bias:
         layers.update(b_gate=(L, F), b_up=(L, F), b_down=(L, D))
+    for name in c.traits.extra_layer_params:
+        layers[name] = (L, c.head_dim) if name in ("q_norm", "k_norm") else (L, D)
     tree: Params = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
     if not c.tie_word_embeddings:
         tree["lm_head"] = (D, V)
@@ -104,16 +118,25 @@ def cast_params(params: Params, dtype: Any) -> Params:
 
 
 def init_cache(config: LlamaConfig, batch: int, max_len: int,
-               dtype: Any = jnp.bfloat16) -> DenseCache:
-    """An empty DenseCache shaped for this model."""
-    return DenseCache.create(config.n_layers, batch, config.n_kv_heads, max_len,
-                             config.head_dim, dtype)
+               dtype: Any = jnp.bfloat16) -> KVCache:
+    """An empty dense cache shaped for this model (a HybridCache when it has sliding layers:
+    dense global layers, a ring of ``sliding_window`` tokens per sliding layer)."""
+    return make_cache(CacheSpec("dense", dtype=dtype), config, batch, max_len)[0]
 
 
 # ---------------------------------------------------------------- building blocks
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-    """f32[d/2] inverse frequencies of this model (``million_jax.rope``, scaling applied)."""
+    """f32[d/2] inverse frequencies of the global layers (``million_jax.rope``, scaling applied):
+    the ones pre-RoPE key codebooks carry, since codes serve only global layers."""
     return rope.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
+def layer_inv_freqs(config: LlamaConfig) -> np.ndarray:
+    """f32[L, d/2]: each layer's RoPE inverse frequencies (sliding layers: ``rope_local_theta``,
+    no scaling)."""
+    local = rope.rope_inv_freq(config.head_dim, config.rope_local_theta, None)
+    glob = rope_inv_freq(config)
+    return np.stack([local if s else glob for s in config.is_sliding]).astype(np.float32)
 
 
 def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -128,23 +151,48 @@ def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
     return y if b is None else y + b
 
 
+def _activation(name: str, x: jax.Array) -> jax.Array:
+    return jax.nn.silu(x) if name == "silu" else jax.nn.gelu(x, approximate=True)
+
+
 def _block(config: LlamaConfig, lp: Params, h: jax.Array, cos: jax.Array, sin: jax.Array,
            attend) -> tuple[jax.Array, Any]:
-    """One decoder layer. h: float[B, T, D]; attend(q, k, v) -> (out[B,T,H,d], state)."""
-    c = config
+    """One decoder layer. h: float[B, T, D]; attend(q, k, v) -> (out[B,T,H,d], state).
+
+    cos, sin: f32[B, T, d/2] of this layer's RoPE. The family's traits add the QK-norm (before
+    RoPE) and the norms after attention / MLP; q is pre-scaled so that attention's default
+    d^-1/2 gives the model's ``attn_scale``.
+    """
+    c, fam = config, config.traits
     b, t, _ = h.shape
-    x = _rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
+    eps = c.rms_norm_eps
+    x = _rms_norm(h, lp["attn_norm"], eps)
     q = _linear(x, lp["wq"], lp.get("bq")).reshape(b, t, c.n_heads, c.head_dim)
     k = _linear(x, lp["wk"], lp.get("bk")).reshape(b, t, c.n_kv_heads, c.head_dim)
     v = _linear(x, lp["wv"], lp.get("bv")).reshape(b, t, c.n_kv_heads, c.head_dim)
+    if fam.qk_norm:
+        q, k = _rms_norm(q, lp["q_norm"], eps), _rms_norm(k, lp["k_norm"], eps)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # over heads
     q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+    ratio = c.attn_scale * c.head_dim ** 0.5
+    if ratio != 1.0:
+        q = (q.astype(jnp.float32) * ratio).astype(q.dtype)
     out, state = attend(q, k, v)
-    h = h + _linear(out.reshape(b, t, -1).astype(h.dtype), lp["wo"], lp.get("bo"))
-    x = _rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
-    gate = jax.nn.silu(_linear(x, lp["w_gate"], lp.get("b_gate")))
-    h = h + _linear(gate * _linear(x, lp["w_up"], lp.get("b_up")), lp["w_down"], lp.get("b_down"))
+    o = _linear(out.reshape(b, t, -1).astype(h.dtype), lp["wo"], lp.get("bo"))
+    h = h + (_rms_norm(o, lp["post_attn_norm"], eps) if fam.sandwich_norms else o)
+    x = _rms_norm(h, lp["mlp_norm"], eps)
+    gate = _activation(fam.activation, _linear(x, lp["w_gate"], lp.get("b_gate")))
+    y = _linear(gate * _linear(x, lp["w_up"], lp.get("b_up")), lp["w_down"], lp.get("b_down"))
+    h = h + (_rms_norm(y, lp["post_mlp_norm"], eps) if fam.sandwich_norms else y)
     return h, state
+
+
+def _embed(config: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """tokens int[B, T] -> h float[B, T, D] (times sqrt(D) for families that scale it)."""
+    h = params["embed"][tokens]
+    if config.traits.embed_scale:
+        h = h * jnp.asarray(config.hidden ** 0.5, h.dtype)
+    return h
 
 
 def _run_layers(config: LlamaConfig, params: Params, h: jax.Array, positions: jax.Array,
@@ -155,13 +203,20 @@ def _run_layers(config: LlamaConfig, params: Params, h: jax.Array, positions: ja
     read inside the loop (in place, see million_jax/cache/base.py); the caller writes all
     layers once afterwards, so a donated cache is updated in place and never copied.
     """
-    cos, sin = rope.rope_cos_sin(positions, rope_inv_freq(config))  # f32[B, T, d/2]
+    freqs = layer_inv_freqs(config)  # f32[L, d/2]
+    if len({f.tobytes() for f in freqs}) == 1:  # one RoPE for every layer: computed once
+        cos, sin = rope.rope_cos_sin(positions, freqs[0])  # f32[B, T, d/2]
+        tables = lambda i, f: (cos, sin)  # noqa: E731
+    else:
+        tables = lambda i, f: rope.rope_cos_sin(positions, f)  # noqa: E731
 
     def body(h, xs):
-        i, lp, const = xs
+        i, f, lp, const = xs
+        cos, sin = tables(i, f)
         return _block(config, lp, h, cos, sin, lambda q, k, v: attend(i, const, q, k, v))
 
-    return jax.lax.scan(body, h, (jnp.arange(config.n_layers), params["layers"], consts))
+    xs = (jnp.arange(config.n_layers), jnp.asarray(freqs), params["layers"], consts)
+    return jax.lax.scan(body, h, xs)
 
 
 def _logits(config: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
@@ -185,10 +240,16 @@ def forward(config: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array
     _check_tokens(tokens, 2)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    h = params["embed"][tokens]
+    h = _embed(config, params, tokens)
+    sliding = jnp.asarray(config.is_sliding)
+    window = config.sliding_window or t  # the mask below is all-true where no layer slides
+    pos = jnp.arange(t)
+    causal = pos[None, :] <= pos[:, None]  # [T, S]: key s visible to query p
+    in_window = causal & (pos[None, :] > pos[:, None] - window)
 
     def attend(i, const, q, k, v):
-        return causal_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)), None
+        mask = jnp.broadcast_to(jnp.where(sliding[i], in_window, causal), (b, t, t))
+        return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask), None
 
     h, _ = _run_layers(config, params, h, positions, attend, None)
     return _logits(config, params, h)
@@ -209,7 +270,8 @@ def _with_cache(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax
     consts = cache.layer_consts(cache_consts)
     if cache.num_layers != config.n_layers:
         raise ValueError(f"cache has {cache.num_layers} layers, model has {config.n_layers}")
-    h = params["embed"][tokens]
+    check_layer_kinds(cache, config.is_sliding, config.sliding_window)
+    h = _embed(config, params, tokens)
 
     def attend(i, const, q, k, v):
         return cache.attend(i, const, q, k, v, n_new)
@@ -263,6 +325,26 @@ def prefill(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax.Arr
         idx = jnp.maximum(lengths.astype(jnp.int32) - 1, 0)
         h = jnp.take_along_axis(h, idx[:, None, None], axis=1)[:, 0]
     return _logits(config, params, h), cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def fill_cache(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax.Array,
+               lengths: jax.Array, cache_consts: Any = None) -> KVCache:
+    """``prefill`` without the output projection: only the new cache (calibration forwards,
+    which need the keys and values, not the [T, V] logits). Jitted; ``cache`` is donated."""
+    _check_tokens(tokens, 2)
+    return _with_cache(config, params, cache, tokens, lengths, cache_consts)[1]
+
+
+class ContextLengthError(ValueError):
+    """More tokens than the model's context (``max_position_embeddings``)."""
+
+
+def check_context(config: LlamaConfig, n_tokens: int, what: str = "the sequence") -> None:
+    """ContextLengthError unless ``n_tokens`` positions fit the model's context."""
+    if int(n_tokens) > config.max_position_embeddings:
+        raise ContextLengthError(f"{what} needs {int(n_tokens)} positions, more than the model's context of "
+                                 f"{config.max_position_embeddings} tokens")
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
