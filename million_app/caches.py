@@ -96,6 +96,11 @@ def label(spec: CacheSpec) -> str:
         if b.same_budget and b.key_transform is None and b.value_transform is None and b.stages == 1:
             return f"pq M={b.key_M} nbits={b.key_nbits} {b.granularity}"
         return f"pq {b.recipe} {b.granularity}"
+    if spec.kind == "turboquant":
+        return f"turboquant {spec.bits:g} b" + (" +qjl" if spec.qjl else "")
+    if spec.kind == "kivi":
+        r = 0 if spec.quantize_all else spec.window
+        return f"kivi int{spec.bits} g{spec.group_size} r{r}"
     if spec.uniform_mode == "kivi":
         return f"uniform kivi int{spec.bits} g{spec.group_size}"
     return f"uniform token int{spec.bits}"
@@ -117,6 +122,10 @@ def settings(spec: CacheSpec) -> dict[str, Any]:
                    query_aware_keys=b.key_transform is not None,
                    output_aware_values=b.value_transform is not None, stages=b.stages,
                    granularity=b.granularity)
+    elif spec.kind == "turboquant":
+        out.update(bits=spec.bits, qjl=spec.qjl, rotation_seed=spec.seed)
+    elif spec.kind == "kivi":
+        out.update(bits=spec.bits, group_size=spec.group_size, residual=0 if spec.quantize_all else spec.window)
     else:
         out.update(bits=spec.bits, uniform_mode=spec.uniform_mode,
                    group_size=spec.group_size if spec.uniform_mode == "kivi" else None)

@@ -95,29 +95,45 @@ def cache_spec(args: argparse.Namespace, model: LoadedModel) -> tuple[CacheSpec,
         given = [f for f, v in (("--protocol", args.protocol), ("--recent", args.recent),
                                 ("--sinks", args.sinks)) if v is not None]
         if given:
-            raise UsageError(f"{'/'.join(given)} only apply to quantized caches (--cache pq or "
-                             "uniform); a dense cache is exact")
+            raise UsageError(f"{'/'.join(given)} only apply to quantized caches (--cache pq, uniform, "
+                             "turboquant or kivi); a dense cache is exact")
     if protocol == "all" and (args.recent is not None or args.sinks is not None):
         raise UsageError("--recent/--sinks keep tokens exact, which only --protocol realistic "
                          "does (--protocol all quantizes every token)")
-    if args.cache != "uniform" and (args.group_size is not None or args.uniform_mode is not None):
-        raise UsageError("--group-size/--uniform-mode are settings of --cache uniform")
+    if args.cache not in ("uniform", "kivi") and args.group_size is not None:
+        raise UsageError("--group-size is a setting of --cache uniform or kivi")
+    if args.cache != "uniform" and args.uniform_mode is not None:
+        raise UsageError("--uniform-mode is a setting of --cache uniform")
+    qjl, rotation_seed = getattr(args, "qjl", False), getattr(args, "rotation_seed", None)
+    if args.cache != "turboquant" and (qjl or rotation_seed is not None):
+        raise UsageError("--qjl/--rotation-seed are settings of --cache turboquant")
+    if args.cache == "kivi" and args.sinks:
+        raise UsageError("--cache kivi keeps no exact first tokens (--sinks); its exact tokens are the --recent R")
     if args.uniform_mode == "token" and args.group_size is not None:
         raise UsageError("--group-size applies to --uniform-mode kivi (token mode has one "
                          "scale per token)")
-    if args.cache == "uniform" and args.bits is None:
-        raise UsageError("--cache uniform needs --bits (2, 4 or 8 bits per stored element)")
+    if args.cache in ("uniform", "kivi") and args.bits is None:
+        raise UsageError(f"--cache {args.cache} needs --bits (2, 4 or 8 bits per stored element)")
+    if args.cache == "turboquant" and args.bits is None:
+        raise UsageError("--cache turboquant needs --bits (bits per coordinate: 2, 2.5, 3, 3.5, 4, ...)")
+    if args.cache not in ("uniform", "kivi", "turboquant") and args.bits is not None:
+        raise UsageError(f"--bits is a setting of --cache uniform, kivi or turboquant (--cache {args.cache} "
+                         "takes its budget from its codebooks)" if args.cache == "pq" else
+                         f"--bits is a setting of --cache uniform, kivi or turboquant, not of --cache {args.cache}")
     if args.cache == "pq" and args.codebooks is None:
         raise UsageError("--cache pq needs --codebooks FILE (make one with `million-jax calibrate`)")
     flags = " ".join(f"{flag} {val}" for flag, val in (
         ("--cache", args.cache), ("--bits", args.bits), ("--group-size", args.group_size),
         ("--uniform-mode", args.uniform_mode), ("--protocol", args.protocol), ("--recent", args.recent),
-        ("--sinks", args.sinks), ("--codebooks", args.codebooks)) if val is not None)
+        ("--sinks", args.sinks), ("--codebooks", args.codebooks), ("--qjl", True if qjl else None),
+        ("--rotation-seed", rotation_seed)) if val is not None)
     kw: dict[str, Any] = dict(
         kind=args.cache, dtype=DTYPES[args.cache_dtype], bits=args.bits,
         quantize_all=quantized and protocol == "all",
-        window=64 if args.recent is None and quantized else (args.recent or 0),
+        window=(128 if args.cache == "kivi" else 64) if args.recent is None and quantized else (args.recent or 0),
         sinks=args.sinks or 0)
+    if args.cache == "turboquant":
+        kw.update(qjl=bool(qjl), seed=0 if rotation_seed is None else rotation_seed)
     if args.group_size is not None:
         kw["group_size"] = args.group_size
     if args.uniform_mode is not None:

@@ -5,6 +5,7 @@ Public API (re-exported here):
                   bits_per_element, save_codebooks, load_codebooks
   model codebooks PQCodebooks (key + value, laid out per layer)
   caches:         KVCache / LayerState (protocol), DenseCache, PQCache, UniformCache,
+                  TurboQuantCache (calibration-free), KiviCache (KIVI as published),
                   CacheSpec + make_cache (any kind from a model shape)
   attention:      pq_code_attention (the one kernel-dispatch point)
   calibration:    collect_kv, fit_kv_codebooks
@@ -23,6 +24,7 @@ from million_jax.quant.pq import (
 from million_jax.quant.kv_codebooks import GRANULARITIES, PQCodebooks
 from million_jax.cache import (CacheOverflowError, DenseCache, DenseLayer, KVCache, LayerState, PQCache, PQLayer, UniformCache,
                                UniformLayer)
+from million_jax.cache import KiviCache, TurboQuantCache, TurboQuantConsts
 from million_jax.cache.spec import CACHE_KINDS, CacheShape, CacheSpec, make_cache
 from million_jax.calibration.fit import collect_kv, fit_kv_codebooks
 from million_jax.attention.pq_dispatch import pq_code_attention
@@ -45,6 +47,9 @@ __all__ = [
     "PQLayer",
     "UniformCache",
     "UniformLayer",
+    "KiviCache",
+    "TurboQuantCache",
+    "TurboQuantConsts",
     "collect_kv",
     "fit_kv_codebooks",
     "bits_per_element",

@@ -40,8 +40,14 @@ def cache_args(p: argparse.ArgumentParser, default_protocol: str) -> None:
     g = p.add_argument_group("cache")
     g.add_argument("--cache", choices=CACHE_KINDS, default="dense", help="KV cache kind (default: dense)")
     g.add_argument("--codebooks", help="codebook file from `million-jax calibrate` (--cache pq)")
-    g.add_argument("--bits", type=int, help="uniform cache: 2, 4 or 8 bits")
-    g.add_argument("--group-size", type=int, help="uniform kivi: group size G (default 32)")
+    g.add_argument("--bits", type=bits_number,
+                   help="uniform / kivi cache: 2, 4 or 8 bits; turboquant: bits per coordinate (2, 2.5, 3, 3.5, 4, ...)")
+    g.add_argument("--group-size", type=int, help="uniform kivi / kivi: group size G (default 32)")
+    g.add_argument("--qjl", action="store_true",
+                   help="turboquant: keys spend one of their bits on the QJL 1-bit residual (the paper's "
+                        "inner-product variant)")
+    g.add_argument("--rotation-seed", type=int,
+                   help="turboquant: seed of the per-layer random rotations (default 0)")
     g.add_argument("--uniform-mode", choices=("kivi", "token"),
                    help="uniform: kivi (keys per channel, values per token; default) or token")
     g.add_argument("--protocol", choices=("all", "realistic"),
@@ -52,6 +58,15 @@ def cache_args(p: argparse.ArgumentParser, default_protocol: str) -> None:
     g.add_argument("--sinks", type=int, help="realistic: exact first tokens (default 0)")
     cache_dtype_arg(g)
     p.set_defaults(default_protocol=default_protocol)
+
+
+def bits_number(text: str) -> int | float:
+    """--bits: an int, or a number with a fraction (turboquant's 2.5 / 3.5)."""
+    try:
+        val = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    return int(val) if val.is_integer() else val
 
 
 def rope_arg(p: argparse.ArgumentParser, default: str | None = DEFAULT_KEY_ROPE, extra_help: str = "") -> None:
