@@ -1,8 +1,11 @@
 """Pallas kernels for million-jax (leaf package: imports nothing from million_jax / models).
 
-Each kernel file holds the kernel and its pure-jnp reference. The pure-jnp math that the
-references share with the library lives here too, once: ``softmax`` (masked / online softmax,
-log-sum-exp merge) and ``pq_math`` (centroid gather, lookup tables).
+The PQ decode kernel is split by job: ``pq_decode_attention`` (the public entry and the
+launch), ``pq_kernel`` (the kernel body), ``pq_plan`` / ``pq_support`` (the launch plan and
+the shapes it takes), ``pq_reference`` (its pure-jnp reference). The pure-jnp math that the
+reference shares with the library lives here too, once: ``softmax`` (masked / online softmax,
+log-sum-exp merge), ``pq_math`` (centroid gather, lookup tables, RoPE angles of code rows) and
+``code_packing`` (codes at their real width).
 """
 
 from pallas_kernels.launch import LaunchConfig, default_launch_config
@@ -16,15 +19,10 @@ from pallas_kernels.softmax import (
     softmax_attention,
     ungroup_heads,
 )
-from pallas_kernels.pq_decode_attention import (
-    KernelPlan,
-    plan_pq_kernel,
-    pq_decode_attention,
-    pq_decode_attention_planned,
-    pq_decode_attention_reference,
-    pq_dims,
-    pq_kernel_unsupported_reason,
-)
+from pallas_kernels._pq_inputs import pq_dims
+from pallas_kernels.pq_decode_attention import pq_decode_attention, pq_decode_attention_planned
+from pallas_kernels.pq_plan import KernelPlan, plan_pq_kernel, pq_kernel_unsupported_reason
+from pallas_kernels.pq_reference import pq_decode_attention_reference
 
 __all__ = [
     "OnlineSoftmax",

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["LaunchConfig", "default_launch_config", "TARGET_PROGRAMS", "MIN_TILES_PER_SPLIT", "DEFAULT_BLOCK_T_ROPE"]
+__all__ = ["LaunchConfig", "default_block_t", "default_launch_config", "TARGET_PROGRAMS", "MIN_TILES_PER_SPLIT", "DEFAULT_BLOCK_T_ROPE"]
 
 TARGET_PROGRAMS = 512
 MIN_TILES_PER_SPLIT = 4
@@ -67,19 +67,26 @@ def default_num_splits(batch: int, num_kv_heads: int, seq_len: int, block_t: int
     return max(1, min(want, cap, MAX_SPLITS))
 
 
+def default_block_t(key_path: str = "centroid", head_dim: int = 128, rope: bool = False) -> int:
+    """Tokens per tile by default for this key path, head_dim and key mode (module docstring)."""
+    return DEFAULT_BLOCK_T_ROPE if rope else DEFAULT_BLOCK_T[key_path]
+
+
 def default_launch_config(
     batch: int,
     num_kv_heads: int,
     seq_len: int,
     *,
     key_path: str = "centroid",
+    head_dim: int = 128,
+    rope: bool = False,
     block_t: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> LaunchConfig:
-    """Fills the unset knobs with the defaults for this shape."""
-    bt = DEFAULT_BLOCK_T[key_path] if block_t is None else block_t
+    """Fills the unset knobs with the defaults for this shape (head_dim d, pre-RoPE keys or not)."""
+    bt = default_block_t(key_path, head_dim, rope) if block_t is None else block_t
     return LaunchConfig(
         block_t=bt,
         num_splits=default_num_splits(batch, num_kv_heads, seq_len, bt)

@@ -19,8 +19,10 @@ from million_jax.cache.pq_cache import PQCache, PQLayer
 from million_jax.quant.kv_codebooks import PQCodebooks
 from pallas_kernels import pq_decode_attention, pq_decode_attention_reference
 
-# the module, not the function of the same name that pallas_kernels re-exports
+# the modules, not the function of the same name that pallas_kernels re-exports: the public
+# entry (which checks a user's inputs) and the planner (which runs the kernel-support checks)
 kernel_module = importlib.import_module("pallas_kernels.pq_decode_attention")
+plan_module = importlib.import_module("pallas_kernels.pq_plan")
 
 B, HKV, G, D, M, N = 2, 2, 2, 16, 8, 24
 
@@ -55,7 +57,7 @@ def _counters(monkeypatch) -> dict[str, list[int]]:
     return {
         "check_pq_inputs": _count(monkeypatch, kernel_module, "check_pq_inputs"),
         "plan": _count(monkeypatch, pq_dispatch, "plan_pq_kernel"),
-        "kernel support": _count(monkeypatch, kernel_module, "_check_kernel_support"),
+        "kernel support": _count(monkeypatch, plan_module, "check_kernel_support"),
         "codes vs codebooks": _count(monkeypatch, PQLayer, "check_books"),
         "codes fit (public)": _count(monkeypatch, pq_dispatch, "check_code_fit"),
     }
@@ -121,7 +123,7 @@ def test_auto_off_gpu_never_computes_the_kernel_blocker(monkeypatch):
 
     for name in ("plan_pq_kernel", "pq_dims"):
         monkeypatch.setattr(pq_dispatch, name, never)
-    monkeypatch.setattr(kernel_module, "_check_kernel_support", never)
+    monkeypatch.setattr(plan_module, "check_kernel_support", never)
     q, kc, vc, kb, vb, lo, hi = _inputs(3)
     assert pq_dispatch.kernel_plan("auto", q, kc, vc, kb, vb) is None
     got = pq_dispatch.pq_code_attention(q, kc, vc, kb, vb, lo, hi, impl="auto")
