@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from million_app.commands import calibrate, demo, eval, generate, passkey, sweep
+from million_app.commands import calibrate, demo, eval, generate, niah, passkey, sweep
 
 REGISTRY: dict[str, ModuleType] = {
     "calibrate": calibrate,
@@ -17,6 +17,7 @@ REGISTRY: dict[str, ModuleType] = {
     "sweep": sweep,
     "generate": generate,
     "passkey": passkey,
+    "niah": niah,
     "demo": demo,
 }
 
