@@ -17,11 +17,13 @@ from million_app.progress import counting
 from million_app.query_sample import QueryRecordCache
 from million_app.report import atomic_path, check_out_dir
 from million_jax.quant.kv_codebooks import PQCodebooks
+from million_jax.cache.base import KVCache
+from million_jax.cache.hybrid import HybridCache
 from million_jax.cache.query_stats import QueryStatsCache
 from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, collect_kv, collect_query_gram, fit_kv_codebooks
 from million_jax.quant.codebook_io import KEY_ROPE, CodebookFileError, load_kv_codebooks, save_kv_codebooks
-from models import LoadedModel, prefill
-from models.llama import rope_inv_freq
+from models import LoadedModel, fill_cache
+from models.decoder import rope_inv_freq
 
 
 def model_fingerprint(model: LoadedModel) -> str:
@@ -80,6 +82,19 @@ def windows(ids: Sequence[int], window: int, max_tokens: int | None = None) -> n
     return ids[: n * window].reshape(n, window)
 
 
+def code_layers_cache(config, cache: KVCache) -> KVCache:
+    """``cache`` (one layer per global layer) for the calibration forward: wrapped in a
+    HybridCache with exact rings for a model with sliding layers, whose K/V no code reads."""
+    if not any(config.is_sliding):
+        return cache
+    return HybridCache.create(cache, config.is_sliding, config.sliding_window, jnp.float32)
+
+
+def global_part(cache: KVCache) -> KVCache:
+    """The global layers' cache of a calibration forward (the cache itself without sliding layers)."""
+    return cache.global_part if isinstance(cache, HybridCache) else cache
+
+
 # Calibration windows longer than this are run as a chunked prefill (same result up to float
 # rounding), so a long window reports progress as it goes instead of one step at the end.
 FORWARD_CHUNK = 1024
@@ -99,21 +114,22 @@ def collect_model_kvq(model: LoadedModel, ids: Sequence[int], *, window: int = 5
     inv_freq = _key_rope_freqs(model, key_rope)
     w = windows(ids, window, max_tokens)
     ks, vs = [], []
-    gram = np.zeros((c.n_layers, c.n_kv_heads, c.head_dim, c.head_dim))
-    count = np.zeros((c.n_layers, c.n_kv_heads))
+    gram = np.zeros((c.n_global_layers, c.n_kv_heads, c.head_dim, c.head_dim))
+    count = np.zeros((c.n_global_layers, c.n_kv_heads))
     total, done = w.size, 0
     for i in range(0, len(w), batch):
         rows = w[i : i + batch]
-        cache = QueryStatsCache.create(c.n_layers, rows.shape[0], c.n_kv_heads, window, c.head_dim)
+        cache = code_layers_cache(c, QueryStatsCache.create(c.n_global_layers, rows.shape[0], c.n_kv_heads, window,
+                                                            c.head_dim))
         for s in range(0, window, FORWARD_CHUNK):  # chunked prefill: progress inside long windows
             part = jnp.asarray(rows[:, s : s + FORWARD_CHUNK])
-            _, cache = prefill(c, model.params, cache, part, jnp.full((rows.shape[0],), part.shape[1], jnp.int32),
-                               last_only=True)
+            cache = fill_cache(c, model.params, cache, part, jnp.full((rows.shape[0],), part.shape[1], jnp.int32))
             done += part.size
             if progress:
                 progress(done, total)
-        k, v = collect_kv(cache, rope_inv_freq=inv_freq)
-        g, n = collect_query_gram(cache)
+        stats = global_part(cache)
+        k, v = collect_kv(stats, rope_inv_freq=inv_freq)
+        g, n = collect_query_gram(stats)
         ks.append(k)
         vs.append(v)
         gram += g
@@ -160,7 +176,8 @@ def codebook_metadata(model: LoadedModel, books: PQCodebooks, *, calib_windows: 
     meta = {
         "model_fingerprint": model_fingerprint(model),
         "model_source": os.path.basename(os.path.normpath(model.source)),
-        "n_layers": c.n_layers,
+        "n_layers": c.n_global_layers,
+        "global_layers": list(c.global_layers),
         "n_kv_heads": c.n_kv_heads,
         "head_dim": c.head_dim,
         "M": books.key_M,
@@ -197,7 +214,7 @@ def load_model_codebooks(path: str, model: LoadedModel) -> tuple[PQCodebooks, di
     """Codebooks from ``path``, checked against ``model``; any mismatch is one UsageError line."""
     c = model.config
     # Shapes first (their message is the most telling), then the exact model.
-    expect = {"n_layers": c.n_layers, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
+    expect = {"n_layers": c.n_global_layers, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
               "model_fingerprint": model_fingerprint(model)}
     try:
         books, meta = load_kv_codebooks(path, expect=expect)
@@ -214,7 +231,7 @@ def load_model_codebooks(path: str, model: LoadedModel) -> tuple[PQCodebooks, di
         raise UsageError(f"{e} (these codebooks were calibrated for {meta_source(path)}; run "
                          "`million-jax calibrate` with this model)") from None
     try:
-        books.check(c.n_layers, c.n_kv_heads, c.head_dim)
+        books.check(c.n_global_layers, c.n_kv_heads, c.head_dim)
     except ValueError as e:
         raise UsageError(f"{path}: {e}") from None
     try:
@@ -310,14 +327,14 @@ def collect_model_kvq_samples(model: LoadedModel, ids: Sequence[int], *, window:
     rng = np.random.default_rng(seed)
     g = c.n_heads // c.n_kv_heads
     ks, vs, qs, pos = [], [], [], []
-    gram = np.zeros((c.n_layers, c.n_kv_heads, c.head_dim, c.head_dim))
-    count = np.zeros((c.n_layers, c.n_kv_heads))
+    gram = np.zeros((c.n_global_layers, c.n_kv_heads, c.head_dim, c.head_dim))
+    count = np.zeros((c.n_global_layers, c.n_kv_heads))
     for i in range(0, len(w), batch):
         chunk = jnp.asarray(w[i : i + batch])
-        cache = QueryRecordCache.create(c.n_layers, chunk.shape[0], c.n_heads, c.n_kv_heads, window,
-                                        c.head_dim)
+        cache = code_layers_cache(c, QueryRecordCache.create(c.n_global_layers, chunk.shape[0], c.n_heads,
+                                                             c.n_kv_heads, window, c.head_dim))
         lengths = jnp.full((chunk.shape[0],), window, jnp.int32)
-        _, cache = prefill(c, model.params, cache, chunk, lengths, last_only=True)
+        cache = global_part(fill_cache(c, model.params, cache, chunk, lengths))
         k, v = collect_kv(cache.stats_cache())
         gq, n = collect_query_gram(cache.stats_cache())
         ks.append(k)
@@ -328,7 +345,7 @@ def collect_model_kvq_samples(model: LoadedModel, ids: Sequence[int], *, window:
         for b in range(chunk.shape[0]):
             p = np.sort(rng.choice(window, size=queries_per_window, replace=False))
             qb = q[:, b, p]  # [L, S, H, d]
-            qs.append(qb.reshape(c.n_layers, queries_per_window, c.n_kv_heads, g, c.head_dim)
+            qs.append(qb.reshape(c.n_global_layers, queries_per_window, c.n_kv_heads, g, c.head_dim)
                       .transpose(0, 2, 3, 1, 4))
             pos.append((i + b) * window + p)
         if progress:

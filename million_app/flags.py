@@ -19,7 +19,7 @@ from million_app.errors import UsageError
 from million_jax.cache.spec import CacheSpec
 from million_jax.calibration.fit import check_max_vectors
 from million_jax.quant.pq import check_nbits
-from models import LoadedModel
+from models import ContextLengthError, LoadedModel, check_context
 
 
 def load_text(spec: str, flag: str, args: argparse.Namespace | None = None) -> str:
@@ -45,11 +45,11 @@ def check_codebook_settings(nbits: int, max_vectors: int) -> None:
 
 
 def check_positions(model: LoadedModel, n: int, what: str) -> None:
-    """UsageError if ``what`` needs more than the model's max_position_embeddings positions."""
-    limit = model.config.max_position_embeddings
-    if n > limit:
-        raise UsageError(f"{what} needs {n} positions, more than the model's "
-                         f"max_position_embeddings {limit} (it was not trained that far)")
+    """UsageError if ``what`` needs more than the model's context (``models.check_context``)."""
+    try:
+        check_context(model.config, n, what)
+    except ContextLengthError as e:
+        raise UsageError(f"{e} (it was not trained that far)") from None
 
 
 def available_memory() -> int | None:

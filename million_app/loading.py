@@ -11,7 +11,7 @@ from models import CheckpointError, ConfigError, LoadedModel, ModelNotInstalledE
 def open_model(spec: str) -> LoadedModel:
     """``load_model(spec)`` with every user mistake turned into a one-line UsageError.
 
-    spec: ``smollm2``, a ``.gguf`` file or an HF checkpoint directory. The model must
+    spec: ``smollm2``, ``gemma3-270m``, a ``.gguf`` file or an HF checkpoint directory. The model must
     come with a tokenizer (the command line works on text).
     """
     try:

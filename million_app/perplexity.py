@@ -8,6 +8,10 @@ Protocol (``evaluate``):
     cache under test, so every key/value the attention reads went through that cache);
   * every token but a window's first is a target: nll = mean over all targets of
     -log softmax(logits[t - 1])[token t], ppl = exp(nll).
+  * a model whose tokenizer adds BOS (Gemma 3) gets one BOS at the start of every window, as
+    llama.cpp's perplexity does: ``window - 1`` text tokens follow it, and the targets are the
+    same as above (every text token but the window's first), so BOS only conditions. A model
+    without (SmolLM2) is evaluated exactly as MILLION does.
 Windows are batched (``batch`` at a time; a short last batch is padded with copies whose
 results are discarded, so one compiled program serves every batch).
 """
@@ -55,16 +59,25 @@ def eval_windows(ids: Sequence[int], window: int, max_tokens: int | None) -> np.
 
 
 def evaluate(model: LoadedModel, ids: Sequence[int], spec: CacheSpec, *, window: int = 512,
-             max_tokens: int | None = None, batch: int = 4, desc: str | None = None) -> dict:
+             max_tokens: int | None = None, batch: int = 4, desc: str | None = None,
+             window_bos: bool | None = None) -> dict:
     """Perplexity of ``model`` over ``ids`` through the cache ``spec`` (module docstring).
 
     Returns a JSON-ready dict: ppl, nll, tokens (targets), windows, window, max_tokens,
-    seconds, tokens_per_s, the memory accounting of ``caches.memory`` for one window
-    (batch 1) and the cache settings.
+    seconds, tokens_per_s, window_bos, the memory accounting of ``caches.memory`` for one window
+    (batch 1) and the cache settings. ``window_bos``: one BOS at the start of every window
+    (default: where the model's tokenizer adds BOS, ``LoadedModel.adds_bos``).
     """
     if batch < 1:
         raise UsageError(f"--batch must be >= 1, got {batch}")
-    w = eval_windows(ids, window, max_tokens)
+    window_bos = model.adds_bos if window_bos is None else bool(window_bos)
+    if window_bos:
+        if window < 3:
+            raise UsageError(f"--window must be >= 3 with a BOS per window, got {window}")
+        text_w = eval_windows(ids, window - 1, None if max_tokens is None else max_tokens - max_tokens // window)
+        w = np.concatenate([np.full((len(text_w), 1), model.config.bos_id, text_w.dtype), text_w], axis=1)
+    else:
+        w = eval_windows(ids, window, max_tokens)
     n = len(w)
     batch = min(batch, n)
     cfg, params = model.config, model.params
@@ -79,7 +92,7 @@ def evaluate(model: LoadedModel, ids: Sequence[int], spec: CacheSpec, *, window:
                 chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - real, axis=0)])
             cache, consts = caches.build(spec, cfg, batch, window)
             nll = np.asarray(window_nll(cfg, params, cache, jnp.asarray(chunk), consts),
-                             np.float64)[:real]
+                             np.float64)[:real, 1 if window_bos else 0:]
             if not np.isfinite(nll).all():
                 raise FloatingPointError(f"{caches.label(spec)}: non-finite log-likelihood in window {i}")
             total += float(nll.sum())
@@ -99,6 +112,7 @@ def evaluate(model: LoadedModel, ids: Sequence[int], spec: CacheSpec, *, window:
         "batch": int(batch),
         "seconds": seconds,
         "tokens_per_s": n * window / seconds,
+        "window_bos": window_bos,
     }
     out.update(caches.memory(spec, cfg, 1, window))
     out.update(caches.settings(spec))

@@ -57,7 +57,7 @@ from million_jax.calibration.finetune import FinetuneSettings, finetune_codebook
 from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform
 from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.quant.pq import check_nbits
-from models.llama import rope_inv_freq
+from models.decoder import rope_inv_freq
 
 __all__ = ["Recipe", "RECIPES", "BEST_FOR_BITS", "recipe_for_bits", "fit_recipe"]
 
@@ -187,8 +187,8 @@ def recipe_for_bits(bits: int, key_rope: str = "pre") -> Recipe:
 def _check_calibration_arrays(recipe: Recipe, c, k, v, q_gram, q_count) -> None:
     """UsageError unless k, v are float[L, Hkv, N, d] of this model (same N >= 1) and, for a
     query-aware recipe, q_gram float[L, Hkv, d, d] and q_count [L, Hkv]."""
-    lhd = (c.n_layers, c.n_kv_heads)
-    want = f"[{c.n_layers}, {c.n_kv_heads}, N, {c.head_dim}] (layers, KV heads, tokens, head_dim)"
+    lhd = (c.n_global_layers, c.n_kv_heads)
+    want = f"[{c.n_global_layers}, {c.n_kv_heads}, N, {c.head_dim}] (layers, KV heads, tokens, head_dim)"
     for name, a in (("k", k), ("v", v)):
         shape = tuple(np.shape(a))
         if len(shape) != 4 or shape[:2] != lhd or shape[3] != c.head_dim or shape[2] < 1:
@@ -217,7 +217,7 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
     c = model.config
     _check_calibration_arrays(recipe, c, k, v, q_gram, q_count)
     kt = query_aware_key_transform(q_gram, q_count) if recipe.query_aware else None
-    vt = (output_value_transform(np.asarray(model.params["layers"]["wo"], np.float32), c.n_heads, c.n_kv_heads)
+    vt = (output_value_transform(np.asarray(model.params["layers"]["wo"], np.float32)[list(c.global_layers)], c.n_heads, c.n_kv_heads)
           if recipe.output_aware else None)
     ft = recipe.finetune
     if ft is not None and queries is None:

@@ -119,6 +119,11 @@ class DecoderConfig:
         return tuple(i for i, s in enumerate(self.is_sliding) if not s)
 
     @property
+    def n_global_layers(self) -> int:
+        """Layers that keep the whole context, the ones whose K/V a PQ cache stores as codes."""
+        return len(self.global_layers)
+
+    @property
     def attn_scale(self) -> float:
         """Softmax scale of q . k: query_pre_attn_scalar ** -0.5 (head_dim ** -0.5 by default)."""
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5

@@ -343,8 +343,8 @@ class ContextLengthError(ValueError):
 def check_context(config: LlamaConfig, n_tokens: int, what: str = "the sequence") -> None:
     """ContextLengthError unless ``n_tokens`` positions fit the model's context."""
     if int(n_tokens) > config.max_position_embeddings:
-        raise ContextLengthError(f"{what} needs {int(n_tokens)} positions, more than the model's context of "
-                                 f"{config.max_position_embeddings} tokens")
+        raise ContextLengthError(f"{what} needs {int(n_tokens)} positions, more than the model's context "
+                                 f"(max_position_embeddings {config.max_position_embeddings})")
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))

@@ -95,6 +95,14 @@ class LoadedModel:
         return forward(self.config, self.params, tokens)
 
     @property
+    def adds_bos(self) -> bool:
+        """Whether the tokenizer puts BOS before a text (Gemma 3: yes; SmolLM2: no)."""
+        if self.tokenizer is None or self.config.bos_id is None:
+            return False
+        ids = self.tokenizer.encode("a").ids
+        return bool(ids) and ids[0] == self.config.bos_id
+
+    @property
     def dtype(self) -> Any:
         return self.params["embed"].dtype
 

@@ -25,7 +25,7 @@ def text_args(p: argparse.ArgumentParser) -> None:
 def model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     """--model (required unless ``required`` is False: then smollm2) and --quiet."""
     p.add_argument("--model", required=required, default=None if required else "smollm2",
-                   help="smollm2, a .gguf file or an HF checkpoint directory")
+                   help="smollm2, gemma3-270m, a .gguf file (llama or gemma3) or an HF checkpoint directory")
     p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
 
 

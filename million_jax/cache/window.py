@@ -133,13 +133,20 @@ def _ring_positions(lengths: jax.Array, w: int) -> jax.Array:
     return jnp.where(pos >= 0, pos, -1)
 
 
+# Calls with more new tokens than this attend in query blocks of QUERY_BLOCK: each block reads the
+# sinks, the ring and only the new tokens within a window of it, so a 32K-token prefill costs
+# O(T * (S + 2W + Q)) memory instead of O(T^2).
+BLOCK_ABOVE = 2048
+QUERY_BLOCK = 512
+
+
 def exact_window_attention(q, sink_k, sink_v, ring_k, ring_v, k, v, lengths, n_new, *, scale=None):
     """Attention of q float[B, T, H, d] over the exact keys (sinks, window).
 
     sink_k, sink_v / ring_k, ring_v: as stored before this call; k, v float[B, T, Hkv, d]: the
     call's new tokens (n_new[b] real ones), which serve as sinks (position < S) or as window.
     Returns (out float32[B, T, H, d], lse float32[B, T, H]); lse = -inf where a
-    query sees no exact key.
+    query sees no exact key. Long calls (T > BLOCK_ABOVE, with a window) run in query blocks.
     """
     b, t = q.shape[:2]
     s_cap, w_cap = sink_k.shape[2], ring_k.shape[2]
@@ -149,19 +156,53 @@ def exact_window_attention(q, sink_k, sink_v, ring_k, ring_v, k, v, lengths, n_n
     sink_pos = jnp.broadcast_to(jnp.arange(s_cap, dtype=jnp.int32)[None, :], (b, s_cap))
     sink_pos = jnp.where(sink_pos < lengths[:, None], sink_pos, -1)  # stored before this call
     ring_pos = _ring_positions(lengths, w_cap) if w_cap else jnp.zeros((b, 0), jnp.int32)
-    kv_pos = jnp.concatenate([sink_pos, ring_pos, new_pos], axis=1)  # [B, S + W + T]
-    is_sink = jnp.concatenate(
-        [jnp.ones((b, s_cap), bool), jnp.zeros((b, w_cap), bool), new_pos < s_cap], axis=1
-    )
     dt = q.dtype
-    keys = jnp.concatenate([sink_k.astype(dt), ring_k.astype(dt), jnp.swapaxes(k, 1, 2).astype(dt)], axis=2)
-    vals = jnp.concatenate([sink_v.astype(dt), ring_v.astype(dt), jnp.swapaxes(v, 1, 2).astype(dt)], axis=2)
-    p = q_pos[:, :, None]
-    s = kv_pos[:, None, :]
-    valid = s >= 0
-    causal = s <= p
-    # sinks are exact for every query; other keys only inside the window and not sinks
-    in_window = (s > p - w_cap) & (s >= s_cap)
-    mask = valid & causal & jnp.where(is_sink[:, None, :], True, in_window)
-    out, lse = attention(q.astype(jnp.float32), keys.astype(jnp.float32), vals.astype(jnp.float32), mask, scale=scale, return_lse=True)
+    old_k = jnp.concatenate([sink_k.astype(dt), ring_k.astype(dt)], axis=2)  # [B, Hkv, S + W, d]
+    old_v = jnp.concatenate([sink_v.astype(dt), ring_v.astype(dt)], axis=2)
+    old_pos = jnp.concatenate([sink_pos, ring_pos], axis=1)
+    old_sink = jnp.concatenate([jnp.ones((b, s_cap), bool), jnp.zeros((b, w_cap), bool)], axis=1)
+    new_k, new_v = jnp.swapaxes(k, 1, 2).astype(dt), jnp.swapaxes(v, 1, 2).astype(dt)  # [B, Hkv, T, d]
+
+    def part(qb, qpos, nk, nv, npos):
+        """qb [B, Tq, H, d] at qpos [B, Tq] over the old keys and new keys nk at npos."""
+        kv_pos = jnp.concatenate([old_pos, npos], axis=1)
+        is_sink = jnp.concatenate([old_sink, (npos >= 0) & (npos < s_cap)], axis=1)
+        keys = jnp.concatenate([old_k, nk], axis=2)
+        vals = jnp.concatenate([old_v, nv], axis=2)
+        p, s = qpos[:, :, None], kv_pos[:, None, :]
+        # sinks are exact for every query; other keys only inside the window and not sinks
+        in_window = (s > p - w_cap) & (s >= s_cap)
+        mask = (s >= 0) & (s <= p) & jnp.where(is_sink[:, None, :], True, in_window)
+        return attention(qb.astype(jnp.float32), keys.astype(jnp.float32), vals.astype(jnp.float32), mask,
+                         scale=scale, return_lse=True)
+
+    if t <= BLOCK_ABOVE or not w_cap:
+        return part(q, q_pos, new_k, new_v, new_pos)
+    qb_len = QUERY_BLOCK
+    n_blocks = -(-t // qb_len)
+    pad = n_blocks * qb_len - t
+    span = min(t, w_cap + qb_len)  # new keys a block can see: its own and the window before it
+    qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    qpos_p = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1)
+
+    # New tokens that are sinks (the first S of a sequence) are seen by every block: each block
+    # reads the first S new tokens as sinks only and its slice of new tokens as non-sinks only.
+    head = min(s_cap, t)
+    head_pos = jnp.where(new_pos[:, :head] < s_cap, new_pos[:, :head], -1)
+
+    def block(j):
+        start = j * qb_len
+        lo = jnp.clip(start - w_cap, 0, t - span)
+        qb = jax.lax.dynamic_slice_in_dim(qp, start, qb_len, axis=1)
+        qpos = jax.lax.dynamic_slice_in_dim(qpos_p, start, qb_len, axis=1)
+        nk = jax.lax.dynamic_slice_in_dim(new_k, lo, span, axis=2)
+        nv = jax.lax.dynamic_slice_in_dim(new_v, lo, span, axis=2)
+        npos = jax.lax.dynamic_slice_in_dim(new_pos, lo, span, axis=1)
+        npos = jnp.where(npos < s_cap, -1, npos)
+        return part(qb, qpos, jnp.concatenate([new_k[:, :, :head], nk], axis=2),
+                    jnp.concatenate([new_v[:, :, :head], nv], axis=2), jnp.concatenate([head_pos, npos], axis=1))
+
+    out, lse = jax.lax.map(block, jnp.arange(n_blocks))  # [n, B, Q, H, d], [n, B, Q, H]
+    out = jnp.moveaxis(out, 0, 1).reshape(b, n_blocks * qb_len, *out.shape[3:])[:, :t]
+    lse = jnp.moveaxis(lse, 0, 1).reshape(b, n_blocks * qb_len, *lse.shape[3:])[:, :t]
     return out, lse

@@ -157,3 +157,27 @@ def test_a_cache_of_the_wrong_layer_kinds_is_refused():
         check_layer_kinds(hybrid, (False,) * 5, 0)
     with pytest.raises(ValueError, match="the global cache has 5 layers, but the model has 2"):
         HybridCache.create(plain, PATTERN, WINDOW)
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_long_calls_attend_in_query_blocks_with_the_same_result(monkeypatch, sinks):
+    """exact_window_attention over T > BLOCK_ABOVE new tokens (query blocks that read only the
+    sinks, the ring and their window of new tokens) equals the one-block computation; rows start
+    empty (new tokens are the sinks) and part-filled, with padding."""
+    import million_jax.cache.window as window
+
+    rng = np.random.default_rng(3)
+    b, t, w = 2, 50, 6
+    q = jnp.asarray(rng.standard_normal((b, t, H, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, t, HKV, D)), jnp.float32)
+    sk = jnp.asarray(rng.standard_normal((b, HKV, sinks, D)), jnp.float32)
+    rk = jnp.asarray(rng.standard_normal((b, HKV, w, D)), jnp.float32)
+    lengths, n_new = jnp.array([0, 13]), jnp.array([50, 41])
+    args = (q, sk, sk * 2, rk, rk * 2, k, k * 0.5, lengths, n_new)
+    whole = window.exact_window_attention(*args)
+    monkeypatch.setattr(window, "BLOCK_ABOVE", 16)
+    monkeypatch.setattr(window, "QUERY_BLOCK", 8)
+    blocked = window.exact_window_attention(*args)
+    for r, n in enumerate([50, 41]):
+        for x, y in zip(whole, blocked):
+            np.testing.assert_allclose(np.asarray(y[r, :n]), np.asarray(x[r, :n]), atol=1e-5)

@@ -124,5 +124,5 @@ def test_generate_with_the_hybrid_cache_is_the_greedy_forward():
 
 def test_context_check_names_the_limit():
     check_context(preset("gemma3-270m"), 32768)
-    with pytest.raises(ContextLengthError, match="32769 positions, more than the model's context of 32768"):
+    with pytest.raises(ContextLengthError, match=r"32769 positions, more than the model's context \(max_position_embeddings 32768\)"):
         check_context(preset("gemma3-270m"), 32769, "the prompt")
