@@ -40,7 +40,7 @@ from million_jax.calibration.fit import fit_kv_codebooks
 from million_jax.flax import PQMultiHeadAttention
 from million_jax.quant.codebook_io import CodebookFileError, load_kv_codebooks, save_kv_codebooks
 from models import init_params, prefill, preset
-from models.llama import rope_inv_freq
+from models.decoder import rope_inv_freq
 from pallas_kernels import merge_partials, pq_decode_attention
 
 CLEAR = (ValueError, UsageError, TypeError, CodebookFileError, CacheOverflowError)

@@ -28,7 +28,7 @@ from million_app.calibrate import collect_model_kv, load_model_codebooks
 from million_app.corpus import read_text
 from million_app.loading import open_model, tokenize
 from million_app.report import write_json
-from models.llama import rope_inv_freq
+from models.decoder import rope_inv_freq
 from million_jax import rope
 from million_jax.quant.kv_transforms import inverse, transform_rows
 from million_jax.quant.residual_pq import decode_stages, encode_stages

@@ -129,10 +129,10 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
 _CACHE_5D: LogicalAxes = ("layers", "batch", "kv_heads", "kv_seq", "kv_feature")
 
 # Leaf field name -> logical axes (or {rank: logical axes} where one name has
-# several layouts). Covers models.llama params, DenseCache, PQCache,
+# several layouts). Covers models.decoder params, DenseCache, PQCache,
 # UniformCache and PQCodebooks.
 LEAF_AXES: dict[str, LogicalAxes | dict[int, LogicalAxes]] = {
-    # --- params (weights are [in, out]; see models/llama.py)
+    # --- params (weights are [in, out]; see models/decoder.py)
     "embed": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
     "final_norm": ("embed",),
@@ -152,6 +152,10 @@ LEAF_AXES: dict[str, LogicalAxes | dict[int, LogicalAxes]] = {
     "b_gate": ("layers", "mlp"),
     "b_up": ("layers", "mlp"),
     "b_down": ("layers", "embed"),
+    "q_norm": ("layers", "kv_feature"),     # Gemma 3: per-head QK-norm over head_dim
+    "k_norm": ("layers", "kv_feature"),
+    "post_attn_norm": ("layers", "embed"),
+    "post_mlp_norm": ("layers", "embed"),
     # --- caches: every per-token array is [L, B, Hkv, N, F]
     **{name: _CACHE_5D for name in (
         "k", "v",                                        # DenseCache
@@ -347,7 +351,7 @@ def shard_tree(tree: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> PyTree
 
 
 def shard_params(params: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> PyTree:
-    """Model params (``models.llama`` layout): heads / MLP hidden / vocab over "model"."""
+    """Model params (``models.decoder`` layout): heads / MLP hidden / vocab over "model"."""
     return shard_tree(params, mesh, rules)
 
 

@@ -17,7 +17,7 @@ from million_app.recipes import fit_recipe, recipe_for_bits
 from million_app.report import check_writable, human_bytes
 from million_jax.quant.kv_codebooks import GRANULARITIES
 from million_jax.quant.pq import MAX_NBITS, MIN_NBITS
-from models.llama import rope_inv_freq
+from models.decoder import rope_inv_freq
 
 HELP = "fit K/V codebooks on calibration text"
 

@@ -26,7 +26,7 @@ from million_app.loading import model_name, open_model, tokenize
 from million_app.perplexity import evaluate
 from million_app.report import check_writable, human_bytes, write_json
 from million_jax.quant.kv_codebooks import GRANULARITIES
-from models.llama import rope_inv_freq
+from models.decoder import rope_inv_freq
 
 GRANULARITY_WORDS = {"shared": "one codebook for the whole model",
                     "layer": "one codebook per layer",

@@ -6,7 +6,7 @@ import pytest
 
 from models.config import PRESETS, LlamaConfig, RopeScaling, preset
 from models.errors import ConfigError
-from models.llama import param_shapes, rope_inv_freq
+from models.decoder import param_shapes, rope_inv_freq
 
 
 def test_presets_have_the_published_shapes():

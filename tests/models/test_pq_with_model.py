@@ -132,7 +132,7 @@ def test_pre_rope_codebooks_of_other_rope_frequencies_are_refused(tiny):
     rope_theta or rope scaling is refused by make_cache and by prefill (never rotated wrongly)."""
     from million_jax import CacheSpec, make_cache
     from million_jax.rope import RopeScaling
-    from models.llama import rope_inv_freq
+    from models.decoder import rope_inv_freq
     cfg, params, books = tiny
     pre = books.with_pre_rope_keys(rope_inv_freq(cfg))
     make_cache(CacheSpec("pq", codebooks=pre, dtype=jnp.float32, impl="xla"), cfg, 1, 16)  # its own model: fine
