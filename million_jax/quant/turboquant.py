@@ -90,7 +90,7 @@ def bit_parts(bits: float, head_dim: int) -> tuple[Part, ...]:
 
 def stored_bits(parts: tuple[Part, ...]) -> int:
     """Bits the packed codes of ``parts`` take per vector (whole bytes per part)."""
-    return sum(8 * packed_width(p.n, p.bits) for p in parts)
+    return sum(8 * (p.n if p.bits == 8 else packed_width(p.n, p.bits)) for p in parts)
 
 
 # ------------------------------------------------------------------ Lloyd-Max levels

@@ -157,6 +157,7 @@ def test_bits_per_element_from_stored_bytes():
     assert bpe(bits=2.5) == (2.75, 2.75)
     assert bpe(bits=3, qjl=True) == (2 + 1 + 0.5, 3.25)  # levels 2 b, signs 1 b, two bf16 norms
     assert bpe(bits=2, dtype=jnp.float32) == (2.5, 2.5)
+    assert bpe(bits=8) == (8.25, 8.25)  # 8-bit codes stored one per byte
     cache, _ = make_cache(CacheSpec("turboquant", bits=4), shape, 1, 16)
     assert cache.bytes_per_token() == 2 * 3 * 64 * 8.5 / 8
 
