@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from cuda_export import export_for_cuda
 from pallas_kernels.code_packing import stored_width
 
-__all__ = ["capture_ttir", "compile_ttir", "report"]
+__all__ = ["capture_ttir", "compile_ttir", "launch_of", "report", "rope_kernel"]
 
 _COMPILE_SCRIPT = r"""
 import collections, json, os, re, subprocess, sys, tempfile
@@ -114,37 +114,47 @@ SHAPES = {
     "llama3-gqa4-4bit": _specs(1, 32, 8, 128, 64, 32768, nbits=4),
     "llama3-gqa4-6bit": _specs(1, 32, 8, 128, 64, 32768, nbits=6),
     "llama3-gqa4-12bit": _specs(1, 32, 8, 128, 32, 32768, nbits=12),
+    # Gemma 3 global layers: 4 query heads on 1 KV head, d 256; M 128 (dsub 2) or 64 (dsub 4)
+    "gemma3-gqa4-d256": _specs(1, 4, 1, 256, 128, 32768),
+    "gemma3-gqa4-d256-M64": _specs(1, 4, 1, 256, 64, 32768),
+    "gemma3-gqa4-d256-4bit": _specs(1, 4, 1, 256, 128, 32768, nbits=4),
+    "gemma3-gqa4-d256-6bit": _specs(1, 4, 1, 256, 128, 32768, nbits=6),
 }
 
 
 def rope_kernel(args: tuple, knobs: dict) -> tuple[Callable[..., Any], tuple, dict]:
     """(fn, args, launch knobs) of the kernel; knobs["rope"] True: pre-RoPE keys (rope_inv_freq
-    float32[M] as one more argument, block_t defaulting to `launch.DEFAULT_BLOCK_T_ROPE`)."""
-    from pallas_kernels.launch import DEFAULT_BLOCK_T_ROPE
+    float32[M] as one more argument). Unset knobs take the kernel's defaults for the shape."""
     from pallas_kernels.pq_decode_attention import pq_decode_attention
 
     knobs = dict(knobs)
     if not knobs.pop("rope", False):
         return functools.partial(pq_decode_attention, **knobs), args, knobs
-    knobs.setdefault("block_t", DEFAULT_BLOCK_T_ROPE)
     fn = lambda *a: pq_decode_attention(*a[:-1], rope_inv_freq=a[-1], **knobs)  # noqa: E731
     return fn, args + (jax.ShapeDtypeStruct((args[3].shape[1],), jnp.float32),), knobs
+
+
+def launch_of(args: tuple, knobs: dict) -> Any:
+    """The `LaunchConfig` the kernel uses for inputs ``args`` and ``knobs`` (knob "rope": pre-RoPE
+    keys): the warps / stages that its TTIR must be compiled with."""
+    from pallas_kernels.launch import default_launch_config
+
+    b, hkv, t, _ = args[1].shape
+    return default_launch_config(b, hkv, t, key_path=knobs.get("key_path", "centroid"), head_dim=args[0].shape[-1],
+                                 rope=bool(knobs.get("rope")),
+                                 **{k: knobs.get(k) for k in ("block_t", "num_splits", "num_warps", "num_stages")})
 
 
 def report(
     knob_sets: Sequence[dict], shapes: Sequence[str], triton_python: str
 ) -> list[dict]:
     """Compile report rows for each (shape, knob set); knob "rope": True = pre-RoPE keys."""
-    from pallas_kernels.launch import default_launch_config
-
     rows = []
     for shape in shapes:
         for knob_set in knob_sets:
-            fn, args, knobs = rope_kernel(SHAPES[shape], knob_set)
+            fn, args, _ = rope_kernel(SHAPES[shape], knob_set)
             (ttir,) = capture_ttir(fn, *args)
-            b, _, t, _ = args[1].shape
-            cfg = default_launch_config(b, args[1].shape[1], t, key_path=knobs.get("key_path", "centroid"),
-                                        **{k: knobs.get(k) for k in ("block_t", "num_splits", "num_warps", "num_stages")})
+            cfg = launch_of(SHAPES[shape], knob_set)
             res = compile_ttir(ttir, cfg.num_warps, cfg.num_stages, triton_python)
             rows.append(dict(shape=shape, knobs=knob_set, block_t=cfg.block_t, num_warps=cfg.num_warps,
                              num_stages=cfg.num_stages, **res))
@@ -161,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     knob_sets: list[dict] = [{}]
     if args.rope:
         knob_sets += [dict(rope=True)] + [dict(rope=True, block_t=bt, num_warps=w, num_stages=s)
-                                          for bt, w, s in ((64, 4, 2), (32, 4, 3), (64, 8, 2), (16, 4, 2))]
+                                          for bt, w, s in ((64, 4, 2), (32, 4, 3), (64, 8, 2), (16, 4, 2), (16, 8, 1))]
     if args.sweep:
         knob_sets += [dict(block_t=bt, num_warps=w, num_stages=s)
                       for bt in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]
