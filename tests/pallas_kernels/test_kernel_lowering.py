@@ -51,6 +51,14 @@ SHAPES = {
     "packed6-smollm2-perhead": (specs(3, 9, 3, 64, 32, 8191, nbits=6, g=3, packed=True), {}),
     "packed12-lut": (specs(1, 32, 8, 128, 32, 4096, nbits=12, packed=True), dict(key_path="lut")),
     "knobs-bt128-w8-s3": (specs(4, 32, 8, 128, 64, 4096), dict(block_t=128, num_splits=1, num_warps=8, num_stages=3)),
+    # Gemma 3 global layers: 4 query heads on 1 KV head, d 256, M 128 (dsub 2) or 64 (dsub 4); the
+    # wide-head defaults of pallas_kernels.launch (block_t 32 centroid, 16 LUT), packed codes.
+    "gemma3-d256-M128-32k": (specs(1, 4, 1, 256, 128, 32768), {}),
+    "gemma3-d256-M64-b4-odd-T-bf16cb": (specs(4, 4, 1, 256, 64, 8191, cb_dtype=jnp.bfloat16), {}),
+    "gemma3-d256-lut": (specs(2, 4, 1, 256, 128, 4096), dict(key_path="lut")),
+    "gemma3-d256-packed4": (specs(1, 4, 1, 256, 128, 32768, nbits=4, packed=True), {}),
+    "gemma3-d256-M64-packed6-lut-fp32": (specs(2, 4, 1, 256, 64, 4096, nbits=6, packed=True),
+                                         dict(key_path="lut", precision="fp32")),
 }
 
 

@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 
 from kernel_pq_data import Case, make_inputs, make_packed_inputs, numpy_oracle
 from pallas_kernels import (
+    plan_pq_kernel,
     pq_decode_attention,
     pq_decode_attention_reference,
+    pq_dims,
     pq_kernel_unsupported_reason,
 )
 
@@ -134,12 +136,47 @@ def test_default_launch_config_runs() -> None:
     assert_matches_reference(short, precision="fp32")
 
 
+# Gemma 3's global layers: 4 query heads on one KV head (GQA 4:1), head_dim 256, M 128
+# (dsub 2, one sub-space per RoPE pair) or M 64 (dsub 4); ragged rows, several splits.
+GEMMA = Case(batch=3, num_kv_heads=1, group=4, head_dim=256, num_subspaces=128, seq_len=53,
+             shared_codebook=False)
+D256 = [
+    (GEMMA, dict(block_t=16, num_splits=3)),
+    (dataclasses.replace(GEMMA, batch=2, num_subspaces=64, seq_len=70, shared_codebook=True, q_scale=3.0),
+     dict(block_t=32, num_splits=2)),
+]
+D256_IDS = ["gemma3-d256-M128", "gemma3-d256-M64-peaky"]
+
+
+@pytest.mark.parametrize("case,kw", D256, ids=D256_IDS)
+@pytest.mark.parametrize("key_path,precision", [("centroid", "fp32"), ("centroid", "bf16"), ("lut", "fp32")])
+def test_head_dim_256_one_kv_head_matches_reference(case: Case, kw: dict, key_path: str, precision: str) -> None:
+    inputs = make_inputs(case, seed=seed_of(case) + len(key_path) + len(precision))
+    assert_matches_reference(inputs, precision=precision, key_path=key_path, **kw)
+    if precision == "fp32":  # and the reference itself against float64 at this shape
+        o_np, l_np = numpy_oracle(inputs)
+        out, lse = pq_decode_attention_reference(**inputs)
+        np.testing.assert_allclose(np.asarray(out), o_np, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(lse), l_np, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("key_path,block_t", [("centroid", 32), ("lut", 16)])
+def test_head_dim_256_default_launch(key_path: str, block_t: int) -> None:
+    """No knobs at d = 256: the wide-head tile of `pallas_kernels.launch` (several tiles per split)."""
+    inputs = make_inputs(dataclasses.replace(GEMMA, batch=2, seq_len=300), seed=21 + block_t)
+    dims = pq_dims(*(inputs[k] for k in ("q", "k_codes", "v_codes", "k_codebooks", "v_codebooks")))
+    plan = plan_pq_kernel(dims, inputs["k_codes"], inputs["v_codes"], key_path=key_path)
+    assert (plan.launch.block_t, plan.launch.num_warps) == (block_t, 4)
+    assert pq_kernel_unsupported_reason(**inputs, key_path=key_path) is None
+    assert_matches_reference(inputs, precision="bf16", key_path=key_path)
+
+
 @settings(max_examples=4, deadline=None, database=None)
 @given(
     batch=st.integers(1, 4),
     num_kv_heads=st.integers(1, 2),
     group=st.sampled_from([1, 2, 3, 4, 6, 8]),
-    dims=st.sampled_from([(64, 32), (64, 16), (128, 64), (128, 32)]),
+    dims=st.sampled_from([(64, 32), (64, 16), (128, 64), (128, 32), (256, 128), (256, 64)]),
     nbits=st.sampled_from([4, 8]),
     seq_len=st.integers(1, 70),
     shared=st.booleans(),
@@ -166,10 +203,14 @@ PACKED = [
     (Case(batch=2, num_kv_heads=2, group=1, head_dim=64, num_subspaces=16, seq_len=21), 3, 5),
     (Case(batch=2, num_kv_heads=1, group=3, head_dim=64, num_subspaces=16, seq_len=33), 12, 12),
     (Case(batch=3, num_kv_heads=2, group=2, head_dim=64, num_subspaces=32, seq_len=40), 8, 4),
+    # Gemma 3 global layers (d 256, one KV head, GQA 4): 4-bit codes with M 128, 6-bit with M 64
+    (Case(batch=2, num_kv_heads=1, group=4, head_dim=256, num_subspaces=128, seq_len=35, shared_codebook=False), 4, 4),
+    (Case(batch=3, num_kv_heads=1, group=4, head_dim=256, num_subspaces=64, seq_len=41), 6, 6),
 ]
 
 
-@pytest.mark.parametrize("case,k_bits,v_bits", PACKED, ids=[f"k{k}v{v}" for _, k, v in PACKED])
+@pytest.mark.parametrize("case,k_bits,v_bits", PACKED,
+                         ids=[f"k{k}v{v}-d{c.head_dim}-M{c.num_subspaces}" for c, k, v in PACKED])
 @pytest.mark.parametrize("key_path", ["centroid", "lut"])
 def test_packed_codes_match_oracle(case: Case, k_bits: int, v_bits: int, key_path: str) -> None:
     unpacked, stored = make_packed_inputs(case, seed_of(case), k_bits, v_bits)

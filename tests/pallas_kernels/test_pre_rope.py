@@ -19,7 +19,8 @@ import pytest
 
 from cuda_export import TRITON_CUSTOM_CALL, export_for_cuda
 from kernel_pq_data import Case, make_inputs, make_packed_inputs, numpy_oracle
-from pallas_kernels import pq_decode_attention, pq_decode_attention_reference, pq_kernel_unsupported_reason
+from pallas_kernels import (plan_pq_kernel, pq_decode_attention, pq_decode_attention_reference, pq_dims,
+                            pq_kernel_unsupported_reason)
 from pallas_kernels import pq_math
 from test_kernel_lowering import specs
 
@@ -142,6 +143,35 @@ def test_kernel_reads_packed_pre_rope_keys(k_bits, v_bits):
     assert_close(jax.jit(pq_decode_attention_reference)(**stored, rope_inv_freq=f), want, 2e-5)
 
 
+# Gemma 3's global layers: 4 query heads on one KV head, head_dim 256, M 128 RoPE pairs.
+GEMMA_PRE = Case(batch=2, num_kv_heads=1, group=4, head_dim=256, num_subspaces=128, nbits=8, seq_len=90,
+                 shared_codebook=False)
+
+
+@pytest.mark.parametrize("precision, tol", [("fp32", 2e-5), ("bf16", 5e-2)])
+def test_head_dim_256_one_kv_head_default_launch(precision, tol):
+    """d = 256 at its default launch (block_t 16, 8 warps, 1 stage; several tiles per split),
+    the kernel and the reference against float64, ragged rows with start > 0."""
+    x = make_inputs(GEMMA_PRE, 31 + len(precision), starts=np.array([0, 17]), ends=np.array([90, 61]))
+    f = inv_freq(GEMMA_PRE.num_subspaces, 1e6, seed=31)  # Gemma 3's global RoPE base
+    dims = pq_dims(*(x[k] for k in ("q", "k_codes", "v_codes", "k_codebooks", "v_codebooks")))
+    launch = plan_pq_kernel(dims, x["k_codes"], x["v_codes"], rope=True).launch
+    assert (launch.block_t, launch.num_warps, launch.num_stages) == (16, 8, 1)
+    want = rope_oracle(x, f)
+    fn = functools.partial(pq_decode_attention, interpret=True, precision=precision)
+    assert_close(jax.jit(fn)(**x, rope_inv_freq=f), want, tol)
+    if precision == "fp32":
+        assert_close(jax.jit(pq_decode_attention_reference)(**x, rope_inv_freq=f), want, 2e-5)
+
+
+@pytest.mark.parametrize("k_bits, v_bits", [(4, 4), (6, 8)])
+def test_head_dim_256_packed_pre_rope_keys(k_bits, v_bits):
+    unpacked, stored = make_packed_inputs(dataclasses.replace(GEMMA_PRE, seq_len=50), 40 + k_bits, k_bits, v_bits)
+    f = inv_freq(GEMMA_PRE.num_subspaces, 1e6, seed=k_bits)
+    fn = functools.partial(pq_decode_attention, interpret=True, precision="fp32", num_splits=2)
+    assert_close(jax.jit(fn)(**stored, rope_inv_freq=f), rope_oracle(unpacked, f), 2e-5)
+
+
 def test_kernel_and_reference_at_positions_near_128k():
     """T_max = 131072, small M / K: rows 130900..131071 attended (ragged), split-K, float32."""
     t_max, m = 131072, 16
@@ -185,6 +215,12 @@ ROPE_SHAPES = {
     "smollm2-gqa3-odd-T": (specs(3, 9, 3, 64, 32, 8191), dict(precision="fp32")),
     "packed4-gqa4": (specs(2, 32, 8, 128, 64, 4096, nbits=4, packed=True), {}),
     "packed6-bt64-split1": (specs(1, 32, 8, 128, 64, 4096, nbits=6, packed=True), dict(block_t=64, num_splits=1)),
+    # Gemma 3 global layers (d 256, M 128, one KV head, GQA 4): the wide-head default (block_t 16,
+    # 8 warps, 1 stage), packed codes, and the d <= 128 launch forced
+    "gemma3-d256-32k": (specs(1, 4, 1, 256, 128, 32768), {}),
+    "gemma3-d256-packed4-b4": (specs(4, 4, 1, 256, 128, 16384, nbits=4, packed=True), {}),
+    "gemma3-d256-packed6-bt32-w4": (specs(2, 4, 1, 256, 128, 4096, nbits=6, packed=True),
+                                    dict(block_t=32, num_warps=4, num_stages=2)),
 }
 
 
