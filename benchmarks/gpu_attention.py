@@ -7,7 +7,8 @@ Installs nothing. Steps:
   3. timings at contexts 4K..128K, batch 1 and 8, LLaMA-2-7B (32 q / 32 kv heads, d 128) and
      LLaMA-3.1-8B (32 / 8, d 128) head shapes, M = 64, nbits = 8 (4 bits / element), and
      the LLaMA-3.1-8B shape with 6-bit codes packed at their real width (3 bits / element,
-     4 codes in 3 bytes, unpacked in the kernel):
+     4 codes in 3 bytes, unpacked in the kernel), and Gemma 3's global layers (4 / 1 heads,
+     d 256, M 128: the wide-head launch defaults):
        pq          the Pallas kernel (default launch config, + any --variant)
        pq-pre      the same with keys quantized before RoPE (rope_inv_freq: each key pair
                    rotated in the kernel at its position; --rope post|pre|both, default both)
@@ -65,7 +66,8 @@ class HeadShape:
 
 
 FULL_SHAPES = [HeadShape("llama2-7b", 32, 32, 128, 64), HeadShape("llama3.1-8b", 32, 8, 128, 64),
-               HeadShape("llama3.1-8b-6bit", 32, 8, 128, 64, nbits=6)]
+               HeadShape("llama3.1-8b-6bit", 32, 8, 128, 64, nbits=6),
+               HeadShape("gemma3-global", 4, 1, 256, 128)]
 TINY_SHAPES = [HeadShape("tiny-mha", 4, 4, 64, 32), HeadShape("tiny-gqa", 4, 2, 64, 32),
                HeadShape("tiny-gqa-6bit", 4, 2, 64, 32, nbits=6)]
 KNOB_TYPES = {"block_t": int, "num_splits": int, "num_warps": int, "num_stages": int,

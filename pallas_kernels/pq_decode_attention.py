@@ -81,11 +81,12 @@ def pq_decode_attention(
         to [0, T]; an empty range gives out 0 and lse -inf).
       scale: score scale, default 1 / sqrt(d).
       block_t: tokens per tile (power of two >= 16); default 64 (centroid) / 32 (lut) / 32
-        (pre-RoPE keys, `launch.DEFAULT_BLOCK_T_ROPE`).
+        (pre-RoPE keys) for d <= 128, 32 / 16 / 16 for d = 256 (`launch.default_block_t`).
       num_splits: split-K factor; default from `launch.default_num_splits` (~512 programs).
-      num_warps: Triton warps per program, default 4.  num_stages: default 2.
+      num_warps: Triton warps per program, default 4.  num_stages: default 2. (Pre-RoPE keys
+        at d >= 256: 8 warps, 1 stage; `launch.default_warps_stages`.)
       key_path: "centroid" (gather key centroids, one dot per tile; default) or "lut"
-        (MILLION's LUT sum; see the module docstring).
+        (MILLION's LUT sum; see `pq_kernel`'s docstring).
       precision: "bf16" (bf16 dot operands, fp32 accumulation; default) or "fp32".
       interpret: run the kernel in Pallas interpret mode (CPU, tests).
       rope_inv_freq: float32[M] or None (default: keys quantized after RoPE). Keys quantized
