@@ -161,8 +161,12 @@ LEAF_AXES: dict[str, LogicalAxes | dict[int, LogicalAxes]] = {
         "k", "v",                                        # DenseCache
         "k_codes", "v_codes", "sink_k", "sink_v", "ring_k", "ring_v",   # PQCache
         "k_scale", "k_zero", "k_stage", "v_scale", "v_zero",            # UniformCache
+        "k_norms", "v_norms", "k_qjl", "k_rnorms",                      # TurboQuantCache
     )},
     "lengths": ("batch",),
+    # --- turboquant constants: one rotation / QJL projection per layer, [L, d, d], replicated
+    "rotation": ("layers", "kv_feature", "kv_feature"),
+    "qjl": ("layers", "kv_feature", "kv_feature"),
     # --- PQ codebooks: PQCodebooks are [L, G, M, K, dsub] (G = Hkv or 1); a bare
     # Codebooks may also be [L, M, K, dsub] or [M, K, dsub]
     "centroids": {
@@ -356,7 +360,8 @@ def shard_params(params: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Py
 
 
 def shard_cache(cache: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> PyTree:
-    """A DenseCache / PQCache / UniformCache: every array by batch ("data") and KV head ("model").
+    """A DenseCache / PQCache / UniformCache / TurboQuantCache / KiviCache: every array by batch ("data") and KV
+    head ("model").
 
     A PQ cache also records how its codes are split (a ``KernelMesh`` in its layer state),
     so that decode steps run the Pallas kernel per shard under ``shard_map`` instead of

@@ -4,9 +4,9 @@ State (``TurboQuantLayer``, stacked over layers; donated across decode steps), P
 bytes per vector (d * b / 8 for an integer budget b):
 
     k_codes, v_codes:  uint8[L, B, Hkv, T_max, P]     every token, encoded at append
-    k_norm, v_norm:    dtype[L, B, Hkv, T_max, 1]     per-token norms (bf16 by default)
+    k_norms, v_norms:    dtype[L, B, Hkv, T_max, 1]     per-token norms (bf16 by default)
     k_qjl:             uint8[L, B, Hkv, T_max, d/8]   QJL sign bits of the key residual (qjl; else width 0)
-    k_rnorm:           dtype[L, B, Hkv, T_max, 1]     the residual's norm (qjl; else width 0)
+    k_rnorms:           dtype[L, B, Hkv, T_max, 1]     the residual's norm (qjl; else width 0)
     sink_k, sink_v:    dtype[L, B, Hkv, S, d]         first S tokens, exact
     ring_k, ring_v:    dtype[L, B, Hkv, W, d]         last W tokens, exact (slot = pos % W)
 
@@ -67,7 +67,7 @@ def turboquant_consts(num_layers: int, head_dim: int, seed: int = 0, qjl: bool =
                             seed=seed)
 
 
-_DATA = ["k_codes", "k_norm", "k_qjl", "k_rnorm", "v_codes", "v_norm", "sink_k", "sink_v", "ring_k", "ring_v"]
+_DATA = ["k_codes", "k_norms", "k_qjl", "k_rnorms", "v_codes", "v_norms", "sink_k", "sink_v", "ring_k", "ring_v"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_DATA,
@@ -76,14 +76,14 @@ _DATA = ["k_codes", "k_norm", "k_qjl", "k_rnorm", "v_codes", "v_norm", "sink_k",
 class TurboQuantLayer(ExactWindowLayer):
     """One layer of a TurboQuantCache (module docstring; per layer the leading L axis is absent)."""
 
-    TOKEN_FIELDS = ("k_codes", "k_norm", "k_qjl", "k_rnorm", "v_codes", "v_norm")
+    TOKEN_FIELDS = ("k_codes", "k_norms", "k_qjl", "k_rnorms", "v_codes", "v_norms")
 
     k_codes: jax.Array
-    k_norm: jax.Array
+    k_norms: jax.Array
     k_qjl: jax.Array
-    k_rnorm: jax.Array
+    k_rnorms: jax.Array
     v_codes: jax.Array
-    v_norm: jax.Array
+    v_norms: jax.Array
     sink_k: jax.Array
     sink_v: jax.Array
     ring_k: jax.Array
@@ -105,7 +105,7 @@ class TurboQuantLayer(ExactWindowLayer):
     def encode_keys(self, consts: TurboQuantConsts, k: jax.Array):
         """k float[..., d] -> (packed codes, norm, qjl bits or None, residual norm or None,
         reconstruction float32[..., d] in rotated coordinates)."""
-        dt = self.k_norm.dtype
+        dt = self.k_norms.dtype
         codes, norm, y = tq.encode(k, consts.rotation, self.key_parts, dt)
         rec = tq.decode_rotated(codes, norm, self.key_parts, self.head_dim)
         if not self.qjl:
@@ -115,7 +115,7 @@ class TurboQuantLayer(ExactWindowLayer):
 
     def encode_values(self, consts: TurboQuantConsts, v: jax.Array):
         """v float[..., d] -> (packed codes, norm, reconstruction float32[..., d] rotated)."""
-        codes, norm, _ = tq.encode(v, consts.rotation, self.value_parts, self.v_norm.dtype)
+        codes, norm, _ = tq.encode(v, consts.rotation, self.value_parts, self.v_norms.dtype)
         return tq.pack_parts(codes, self.value_parts), norm, tq.decode_rotated(codes, norm, self.value_parts,
                                                                                self.head_dim)
 
@@ -137,8 +137,8 @@ class TurboQuantLayer(ExactWindowLayer):
         qr = jnp.einsum("bthj,ij->bthi", q.astype(jnp.float32), rot, precision=_HI)  # R q, once per call
         qs = None if not self.qjl else jnp.einsum("bthj,ij->bthi", qr, consts.qjl, precision=_HI)
         stored = turboquant_attention_xla(
-            qr, qs, self.k_codes, self.k_norm, self.k_qjl if self.qjl else None, self.k_rnorm if self.qjl else None,
-            self.v_codes, self.v_norm, lo, jnp.minimum(hi, lengths[:, None]), key_parts=self.key_parts,
+            qr, qs, self.k_codes, self.k_norms, self.k_qjl if self.qjl else None, self.k_rnorms if self.qjl else None,
+            self.v_codes, self.v_norms, lo, jnp.minimum(hi, lengths[:, None]), key_parts=self.key_parts,
             value_parts=self.value_parts, tile=self.tile, scale=scale)
         fresh = tiled_dense_attention(qr, jnp.swapaxes(k_rec, 1, 2), jnp.swapaxes(v_rec, 1, 2),
                                       jnp.maximum(lo - lengths[:, None], 0), jnp.clip(hi - lengths[:, None], 0, t),
@@ -148,10 +148,10 @@ class TurboQuantLayer(ExactWindowLayer):
         if self.has_exact:
             out_e, lse_e = self.exact_attention(q, k, v, lengths, n_kept, scale=scale)
             out, _ = merge_partials([out, out_e], [lse, lse_e])
-        writes: Writes = {"k_codes": (rows, kc), "k_norm": (rows, kn), "v_codes": (rows, vc), "v_norm": (rows, vn),
+        writes: Writes = {"k_codes": (rows, kc), "k_norms": (rows, kn), "v_codes": (rows, vc), "v_norms": (rows, vn),
                           **self.write_exact(k, v, lengths, n_kept)}
         if self.qjl:
-            writes.update(k_qjl=(rows, kb), k_rnorm=(rows, krn))
+            writes.update(k_qjl=(rows, kb), k_rnorms=(rows, krn))
         return out.astype(q.dtype), writes
 
 
@@ -179,9 +179,9 @@ class TurboQuantCache(ExactWindowCache):
         vp = tq.bit_parts(b, head_dim)
         z = lambda w, dt=jnp.uint8: jnp.zeros(lead + (w,), dt)  # noqa: E731
         layers = TurboQuantLayer(
-            k_codes=z(tq.stored_bits(kp) // 8), k_norm=z(1, dtype),
-            k_qjl=z(head_dim // 8 if qjl else 0), k_rnorm=z(1 if qjl else 0, dtype),
-            v_codes=z(tq.stored_bits(vp) // 8), v_norm=z(1, dtype),
+            k_codes=z(tq.stored_bits(kp) // 8), k_norms=z(1, dtype),
+            k_qjl=z(head_dim // 8 if qjl else 0), k_rnorms=z(1 if qjl else 0, dtype),
+            v_codes=z(tq.stored_bits(vp) // 8), v_norms=z(1, dtype),
             bits=b, qjl=bool(qjl), quantize_all=quantize_all, tile=tile,
             **empty_window((num_layers, batch, num_kv_heads), sinks, window, head_dim, dtype))
         return cls(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
@@ -195,7 +195,7 @@ class TurboQuantCache(ExactWindowCache):
         def per_token(*xs):
             return sum(8.0 * x.shape[-1] * jnp.dtype(x.dtype).itemsize for x in xs) / d
 
-        return KVBits(per_token(lay.k_codes, lay.k_norm, lay.k_qjl, lay.k_rnorm), per_token(lay.v_codes, lay.v_norm))
+        return KVBits(per_token(lay.k_codes, lay.k_norms, lay.k_qjl, lay.k_rnorms), per_token(lay.v_codes, lay.v_norms))
 
     def layer_consts(self, cache_consts: TurboQuantConsts | None = None) -> TurboQuantConsts:
         """The rotations (and QJL projections), checked against this cache."""
@@ -221,10 +221,10 @@ class TurboQuantCache(ExactWindowCache):
         """
         lay, d = self.layers, self.head_dim
         rot = consts.rotation[:, None, None, None]  # [L, 1, 1, 1, d, d]
-        ky = tq.decode_rotated(tq.unpack_parts(lay.k_codes, lay.key_parts), lay.k_norm, lay.key_parts, d)
+        ky = tq.decode_rotated(tq.unpack_parts(lay.k_codes, lay.key_parts), lay.k_norms, lay.key_parts, d)
         if lay.qjl:
-            ky = ky + tq.qjl_decode_rotated(lay.k_qjl, lay.k_rnorm, consts.qjl[:, None, None, None])
-        vy = tq.decode_rotated(tq.unpack_parts(lay.v_codes, lay.value_parts), lay.v_norm, lay.value_parts, d)
+            ky = ky + tq.qjl_decode_rotated(lay.k_qjl, lay.k_rnorms, consts.qjl[:, None, None, None])
+        vy = tq.decode_rotated(tq.unpack_parts(lay.v_codes, lay.value_parts), lay.v_norms, lay.value_parts, d)
         back = lambda y: jnp.einsum("...i,...ij->...j", y, rot, precision=_HI)  # noqa: E731
         live = (jnp.arange(self.max_len)[None, :] < self.lengths[:, None])[None, :, None, :, None]
         return jnp.where(live, back(ky), 0.0), jnp.where(live, back(vy), 0.0)

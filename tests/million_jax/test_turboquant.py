@@ -203,3 +203,13 @@ def test_model_chunked_prefill_equals_decode():
         logits, cache = decode_step(cfg, params, cache, toks[:, i], consts)
         steps.append(logits)
     np.testing.assert_allclose(np.asarray(full[0, 7:]), np.asarray(jnp.stack(steps[:5], 1)[0]), atol=2e-4)
+
+
+def test_sharding_rules_cover_the_cache_and_its_constants():
+    from million_jax.sharding import make_mesh, shard_cache, shard_tree, tree_specs
+
+    mesh = make_mesh((1, -1))
+    cache, consts = make_cache(CacheSpec("turboquant", bits=3, qjl=True, window=4), CacheShape(2, 2, 64), 1, 16)
+    tree_specs(cache, mesh)
+    tree_specs(consts, mesh)  # a rule for every leaf (rotation, qjl), else ValueError
+    shard_cache(cache, mesh), shard_tree(consts, mesh)
