@@ -99,7 +99,7 @@ def family(name: str) -> str:
 
 def table(args) -> None:
     res = {}
-    for path in sorted(glob.glob(os.path.join(args.out, "*.json"))):
+    for path in sorted(glob.glob(os.path.join(args.out, "all_*.json")) + glob.glob(os.path.join(args.out, "realistic_*.json"))):
         base = os.path.basename(path)[:-5]
         protocol, name = base.split("_", 1)
         with open(path) as f:
