@@ -109,7 +109,7 @@ class _Cursor:
             if self.pos + n <= self.file_size:
                 raise _NeedMore()
             raise CheckpointError(
-                f"{self.path}: GGUF file is truncated: {what} needs {n} bytes at byte "
+                f"{self.path}: GGUF file is truncated or corrupt: {what} needs {n} bytes at byte "
                 f"{self.pos}, the file has {self.file_size}")
 
     def scalar(self, code: str, what: str) -> Any:
@@ -255,7 +255,7 @@ def _parse(buf: bytes, path: str, size: int) -> GGUFHeader:
         start = data_offset + rel
         if start + n_bytes > size:
             raise CheckpointError(
-                f"{path}: GGUF file is truncated: tensor {name!r} needs bytes {start}.."
+                f"{path}: GGUF file is truncated or corrupt: tensor {name!r} needs bytes {start}.."
                 f"{start + n_bytes}, the file has {size}")
         if name in tensors:
             raise CheckpointError(f"{path}: tensor {name!r} appears twice in the header")

@@ -1,126 +1,174 @@
 """Building a ``tokenizers.Tokenizer`` from the vocabulary stored in GGUF metadata.
 
 GGUF files carry no tokenizer.json; they store ``tokenizer.ggml.*`` fields
-(model kind, pre-tokenizer name, tokens, merges, token types, special ids).
-For byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: SmolLM,
-LLaMA-3, GPT-2 style) we assemble the equivalent ``tokenizers`` pipeline:
+(model kind, pre-tokenizer name, tokens, scores, merges, token types, special
+ids). ``tokenizer_from_gguf_fields`` dispatches on ``tokenizer.ggml.model``:
 
-    pre-tokenizer  chosen from ``tokenizer.ggml.pre`` (see ``_PRE_TOKENIZERS``)
-    model          BPE(vocab, merges) -- the ``tokenizers`` implementation
-    decoder        ByteLevel
-    special tokens CONTROL tokens (type 3) added as special, USER_DEFINED (4) as added
-    post-processor prepends BOS when ``tokenizer.ggml.add_bos_token`` is true
+    "gpt2"   byte-level BPE (SmolLM, LLaMA-3, GPT-2)      models/tokenizer_bpe.py
+    "llama"  SentencePiece BPE (LLaMA-1/2, Gemma 1-3)      models/tokenizer_spm.py
 
-SentencePiece vocabularies (``"llama"``: LLaMA-1/2) are not supported yet.
+and adds the post-processor: BOS first when ``tokenizer.ggml.add_bos_token``
+is true (the default for SentencePiece files, as in llama.cpp and HF), EOS
+last when ``tokenizer.ggml.add_eos_token`` is true.
+
+Building Gemma 3's 262,144-token tokenizer takes ~1.5 s of CPU (0.75 s of it
+rebuilding the 514,906 merges, models/spm_merges.py). ``cached_tokenizer``
+keeps the result as ``tokenizers`` JSON (14 MB) wherever the caller chooses,
+keyed by a fingerprint of the metadata; loading it takes ~1.2 s of CPU, since
+``Tokenizer.from_str`` itself spends ~0.7 s on the merges, so the cache saves
+little and is optional::
+
+    meta = read_gguf_metadata(path)                           # models/gguf_metadata.py
+    tok = cached_tokenizer(meta, path, cache_dir / "gemma3-270m.tokenizer.json")
 """
 from __future__ import annotations
 
-import functools
+import hashlib
+import os
+import tempfile
 from typing import Any, Mapping, Sequence
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+import numpy as np
+from tokenizers import Tokenizer, processors
 
 from models.errors import CheckpointError
+from models.tokenizer_bpe import byte_alphabet, byte_level_bpe
+from models.tokenizer_spm import sentencepiece_bpe
 
-_CONTROL, _USER_DEFINED = 3, 4
+__all__ = ["tokenizer_from_gguf_fields", "tokenizer_from_gguf", "cached_tokenizer",
+           "tokenizer_fingerprint"]
 
-# LLaMA-3's split pattern (tiktoken cl100k style).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_BUILDERS = {"gpt2": byte_level_bpe, "llama": sentencepiece_bpe}
+# bumped whenever the tokenizer built from the same metadata changes (invalidates caches)
+_BUILD_VERSION = "1"
+_CACHE_MAGIC = "million-jax tokenizer cache"
 
-
-def _byte_level(use_regex: bool = True) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
-
-
-def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer matching llama.cpp's ``tokenizer.ggml.pre`` name."""
-    if pre == "smollm":
-        # SmolLM's tokenizer.json: every digit is its own pre-token, then GPT-2 byte-level.
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        _byte_level()])
-    if pre in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"),
-                                        _byte_level(use_regex=False)])
-    if pre in (None, "default", "gpt2", "gpt-2"):
-        return _byte_level()
-    raise CheckpointError(
-        f"tokenizer.ggml.pre={pre!r}: unknown pre-tokenizer; supported: smollm, llama-bpe, "
-        "llama3, gpt2, default")
+# kept for million_app/tiny.py, which builds a byte tokenizer from the same alphabet
+_byte_alphabet = byte_alphabet
 
 
-@functools.lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table."""
-    keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-            + list(range(ord("®"), ord("ÿ") + 1)))
-    table, extra = {}, 0
-    for byte in range(256):
-        if byte in keep:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(256 + extra)
-            extra += 1
-    return table
+def _special_id(meta: Mapping[str, Any], field: str, n: int, source: str) -> int | None:
+    value = meta.get(f"tokenizer.ggml.{field}")
+    if value is None:
+        return None
+    if not isinstance(value, (int, np.integer)) or not 0 <= int(value) < n:
+        raise CheckpointError(f"{source}: tokenizer.ggml.{field}={value!r} is outside the "
+                              f"vocabulary of {n} tokens")
+    return int(value)
 
 
-def _spell(token: str, alphabet: set[str], table: Mapping[int, str]) -> str:
-    """A token as the byte-level model sees it (already spelled tokens are kept)."""
-    if set(token) <= alphabet:
-        return token
-    return "".join(table[b] for b in token.encode("utf-8"))
+def _post_processor(meta: Mapping[str, Any], spelled: Sequence[str], kind: str,
+                    source: str) -> processors.TemplateProcessing | None:
+    """BOS / EOS around each sequence, laid out as HF's ``update_post_processor`` does."""
+    n = len(spelled)
+    bos = _special_id(meta, "bos_token_id", n, source)
+    eos = _special_id(meta, "eos_token_id", n, source)
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if not (add_bos or add_eos):
+        return None
+
+    def around(seq: str, type_id: int) -> str:
+        parts = ([f"{spelled[bos]}:{type_id}"] if add_bos else []) + [f"${seq}:{type_id}"]
+        return " ".join(parts + ([f"{spelled[eos]}:{type_id}"] if add_eos else []))
+
+    specials = ([(spelled[bos], bos)] if add_bos else []) + ([(spelled[eos], eos)] if add_eos else [])
+    return processors.TemplateProcessing(single=around("A", 0),
+                                         pair=f"{around('A', 0)} {around('B', 1)}",
+                                         special_tokens=list(dict(specials).items()))
 
 
 def tokenizer_from_gguf_fields(meta: Mapping[str, Any], source: str = "gguf") -> Tokenizer:
     """A Tokenizer from GGUF ``tokenizer.ggml.*`` metadata values (already decoded).
 
-    meta: field name -> python value (str / list / int / bool).
+    meta: field name -> python value (str / list / int / bool), e.g. from
+    ``models.gguf_metadata.read_gguf_metadata``; source names the file in errors.
     """
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         raise CheckpointError(
             f"{source}: no tokenizer metadata (field 'tokenizer.ggml.model' is missing); "
             "pass tokenizer=False to load the weights alone")
-    if kind != "gpt2":
+    if kind not in _BUILDERS:
         raise CheckpointError(
-            f"{source}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, "
-            "'gpt2', is); pass tokenizer=False to load the weights alone")
+            f"{source}: tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2', "
+            "byte-level BPE, and 'llama', SentencePiece BPE); pass tokenizer=False to load "
+            "the weights alone")
     tokens: Sequence[str] = meta.get("tokenizer.ggml.tokens") or []
-    merges: Sequence[str] = meta.get("tokenizer.ggml.merges") or []
     if not tokens:
         raise CheckpointError(f"{source}: metadata field 'tokenizer.ggml.tokens' is missing")
-    if not merges:
-        raise CheckpointError(f"{source}: metadata field 'tokenizer.ggml.merges' is missing")
-    table = _byte_alphabet()
-    alphabet = set(table.values())
-    spelled = [_spell(t, alphabet, table) for t in tokens]
-    vocab = {t: i for i, t in enumerate(spelled)}
-    pairs = []
-    for i, m in enumerate(merges):
-        parts = m.split(" ")
-        if len(parts) != 2:
-            raise CheckpointError(f"{source}: tokenizer.ggml.merges[{i}] = {m!r} is not a pair")
-        pairs.append((parts[0], parts[1]))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-    tok.decoder = decoders.ByteLevel()
+    types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or []
+    if types and len(types) != len(tokens):
+        raise CheckpointError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries but "
+                              f"tokenizer.ggml.tokens has {len(tokens)}")
+    if kind == "llama":
+        _special_id(meta, "unknown_token_id", len(tokens), source)
+    tok, spelled = _BUILDERS[kind](meta, source, tokens, types)
+    post = _post_processor(meta, spelled, kind, source)
+    if post is not None:
+        tok.post_processor = post
+    return tok
 
-    types = meta.get("tokenizer.ggml.token_type") or []
-    special = [AddedToken(spelled[i], special=True, normalized=False)
-               for i, ty in enumerate(types) if ty == _CONTROL and set(tokens[i]) <= alphabet]
-    added = [AddedToken(spelled[i], special=False, normalized=False)
-             for i, ty in enumerate(types) if ty == _USER_DEFINED]
-    if special:
-        tok.add_special_tokens(special)
-    if added:
-        tok.add_tokens(added)
 
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        bos_tok = spelled[int(bos)]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos_tok} $A", pair=f"{bos_tok} $A {bos_tok} $B",
-            special_tokens=[(bos_tok, int(bos))])
+def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of the GGUF file at ``path`` (reads only its header)."""
+    from models.gguf_metadata import read_gguf_metadata
+
+    return tokenizer_from_gguf_fields(read_gguf_metadata(path), os.fspath(path))
+
+
+def tokenizer_fingerprint(meta: Mapping[str, Any]) -> str:
+    """sha256 (hex) of everything the tokenizer is built from: the ``tokenizer.ggml.*`` fields,
+    ``general.architecture`` and this module's build version."""
+    h = hashlib.sha256(f"{_CACHE_MAGIC} {_BUILD_VERSION}".encode())
+    for key in sorted(k for k in meta if k.startswith("tokenizer.ggml.")
+                      or k == "general.architecture"):
+        value = meta[key]
+        h.update(b"\x00" + key.encode() + b"\x00")
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], str):
+            h.update(f"str[{len(value)}]".encode())
+            h.update("\x00".join(value).encode("utf-8", "surrogatepass"))
+        elif isinstance(value, (list, tuple)):
+            arr = np.asarray(value)
+            h.update(f"{arr.dtype}[{len(value)}]".encode())
+            h.update(arr.tobytes())
+        else:
+            h.update(f"{type(value).__name__}:{value!r}".encode())
+    return h.hexdigest()
+
+
+def cached_tokenizer(meta: Mapping[str, Any], source: str,
+                     cache_path: str | os.PathLike) -> Tokenizer:
+    """``tokenizer_from_gguf_fields(meta, source)``, kept as JSON at ``cache_path``.
+
+    The file is ``tokenizers`` JSON (``Tokenizer.to_str()``) after one header
+    line holding ``tokenizer_fingerprint(meta)``; a file that is missing,
+    unreadable or made from other metadata (or by another build version) is
+    rebuilt and replaced atomically. The directory is created if needed; if it
+    cannot be written the tokenizer is still returned (built, not cached).
+    """
+    path = os.fspath(cache_path)
+    key = tokenizer_fingerprint(meta)
+    header = f"{_CACHE_MAGIC} {key}\n"
+    try:
+        with open(path, encoding="utf-8") as f:
+            if f.readline() == header:
+                return Tokenizer.from_str(f.read())
+    except Exception:  # a missing, partial or foreign file (from_str raises Exception): rebuild
+        pass
+    tok = tokenizer_from_gguf_fields(meta, source)
+    try:
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tokenizer-", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(header)
+                f.write(tok.to_str())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        pass
     return tok
