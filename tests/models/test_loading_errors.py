@@ -118,7 +118,7 @@ def test_gguf_truncated(tiny_hf, tmp_path):
     write_gguf(path, config, hf)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+    with pytest.raises(CheckpointError, match=r"truncated"):
         load_model(path, tokenizer=False)
 
 
