@@ -22,6 +22,9 @@ flags into one: :func:`million_app.flags.cache_spec`); this module only reads it
     bytes_per_token           ``cache.bytes_per_token()``: all layers and KV heads, K + V
     cache_bytes               ``cache.nbytes()`` (the whole state: codes, exact ring and sinks,
                               staging buffers, lengths)
+    cache_bytes_global / _sliding  a hybrid model's (Gemma 3) two kinds of layer apart: the global
+                              layers in the chosen kind, the sliding layers' exact rings (fixed
+                              size whatever the context); dense_cache_bytes_global likewise
     dense_cache_bytes         a DenseCache of the same shape in the requested dtype
     codebook_bytes            the PQ codebooks (constant, shared by every sequence)
 
@@ -179,6 +182,12 @@ def memory(spec: CacheSpec, config: Any, batch: int, max_len: int) -> dict[str, 
     cache = jax.eval_shape(lambda: build(spec, config, batch, max_len)[0])
     dense = jax.eval_shape(lambda: make_cache(CacheSpec("dense", dtype=spec.dtype), config, batch, max_len)[0])
     stored = cache.bits_per_element.mean
+    kinds = {}
+    if hasattr(cache, "nbytes_by_kind"):  # a HybridCache: sliding rings apart from the global layers
+        by, dense_by = cache.nbytes_by_kind(), dense.nbytes_by_kind()
+        kinds = {"cache_bytes_global": by["global"], "cache_bytes_sliding": by["sliding"],
+                 "dense_cache_bytes_global": dense_by["global"], "global_layers": list(config.global_layers),
+                 "sliding_window": int(config.sliding_window)}
     return {
         "bits_per_element": float(spec.codebooks.bits_per_element) if spec.kind == "pq" else stored,
         "storage_bits_per_element": stored,
@@ -189,4 +198,5 @@ def memory(spec: CacheSpec, config: Any, batch: int, max_len: int) -> dict[str, 
         "codebook_bytes": int(spec.codebooks.nbytes) if spec.kind == "pq" else 0,
         "cache_shape": {"batch": batch, "max_len": max_len, "layers": config.n_layers,
                         "kv_heads": config.n_kv_heads, "head_dim": config.head_dim},
+        **kinds,
     }

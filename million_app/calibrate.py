@@ -27,8 +27,16 @@ from models.decoder import rope_inv_freq
 
 
 def model_fingerprint(model: LoadedModel) -> str:
-    """A short hash of the config and a slice of every weight: codebooks are tied to it."""
-    h = hashlib.sha256(json.dumps(model.config.__dict__, default=str, sort_keys=True).encode())
+    """A short hash of the config and a slice of every weight: codebooks are tied to it.
+
+    The config fields added for hybrid families (Gemma 3) are left out where a model is a plain
+    LLaMA, so codebook files calibrated before they existed still match."""
+    fields = dict(model.config.__dict__)
+    c = model.config
+    if c.family == "llama" and not any(c.is_sliding) and c.query_pre_attn_scalar == c.head_dim:
+        for name in ("family", "layer_types", "sliding_window", "rope_local_theta", "query_pre_attn_scalar"):
+            fields.pop(name)
+    h = hashlib.sha256(json.dumps(fields, default=str, sort_keys=True).encode())
     for leaf in jax.tree.leaves(model.params):
         a = np.asarray(leaf).ravel()
         h.update(np.asarray(a[:: max(1, a.size // 64)][:64], np.float32).tobytes())

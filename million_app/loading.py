@@ -40,6 +40,12 @@ def tokenize(model: LoadedModel, text: str, *, bos: bool = False) -> list[int]:
     return ids
 
 
+def prompt_tokens(model: LoadedModel, text: str) -> list[int]:
+    """Token ids of a prompt as the model expects it: BOS first where its tokenizer adds one
+    (Gemma 3; a Gemma prompt without BOS derails), none otherwise (SmolLM2)."""
+    return tokenize(model, text, bos=model.adds_bos)
+
+
 def check_tokens(ids: Sequence[int], need: int, what: str) -> None:
     """UsageError unless ``ids`` holds at least ``need`` tokens."""
     if len(ids) < need:

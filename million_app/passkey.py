@@ -18,7 +18,7 @@ import numpy as np
 from million_app import progress
 from million_app import caches
 from million_app.errors import UsageError
-from million_app.loading import tokenize
+from million_app.loading import prompt_tokens, tokenize
 from million_jax.cache.spec import CacheSpec
 from models import LoadedModel, generate
 
@@ -32,7 +32,7 @@ ANSWER_TOKENS = 12
 
 def passkey_prompt(model: LoadedModel, length: int, key: int, depth: float) -> list[int]:
     """Token ids of one prompt of at most ``length`` tokens, the needle at ``depth`` in [0, 1]."""
-    intro, filler = tokenize(model, INTRO), tokenize(model, FILLER)
+    intro, filler = prompt_tokens(model, INTRO), tokenize(model, FILLER)
     needle, question = tokenize(model, NEEDLE.format(key=key)), tokenize(model, QUESTION)
     budget = length - len(intro) - len(needle) - len(question)
     reps = budget // len(filler)

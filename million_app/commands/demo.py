@@ -22,7 +22,7 @@ from million_app.corpus import read_text
 from million_app.errors import UsageError
 from million_app.flags import check_codebook_settings, check_positions, check_positive
 from million_app.generation import chat_prompt, stream_generate
-from million_app.loading import model_name, open_model, tokenize
+from million_app.loading import model_name, open_model, prompt_tokens, tokenize
 from million_app.perplexity import evaluate
 from million_app.report import check_writable, human_bytes, write_json
 from million_jax.quant.kv_codebooks import GRANULARITIES
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     samples = {}
     has_chat = model.tokenizer.token_to_id("<|im_start|>") is not None
     prompt = chat_prompt(model, PROMPT) if has_chat else PROMPT
-    ids = tokenize(model, prompt)
+    ids = prompt_tokens(model, prompt)
     realistic = CacheSpec("pq", codebooks=books, window=32)
     for name, spec in (("dense", dense), ("pq", realistic)):
         buf = io.StringIO()

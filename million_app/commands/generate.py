@@ -10,7 +10,7 @@ from million_app.commands.flag_groups import KEPT, cache_args, force_arg, model_
 from million_app.errors import UsageError
 from million_app.flags import cache_spec
 from million_app.generation import chat_prompt, check_fits, check_sampling, size_note, stream_generate
-from million_app.loading import model_name, open_model, tokenize
+from million_app.loading import model_name, open_model, prompt_tokens
 from million_app.report import check_writable, human_bytes, write_json
 
 HELP = "stream generated text through a KV cache"
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     model = open_model(args.model)
     spec, source = cache_spec(args, model)
     prompt = chat_prompt(model, args.prompt) if args.chat else args.prompt
-    ids = tokenize(model, prompt)
+    ids = prompt_tokens(model, prompt)
     if not ids:
         raise UsageError("the prompt is empty")
     check_sampling(args.temperature, args.top_k, args.top_p)
