@@ -141,7 +141,7 @@ class DecoderConfig:
         """
         model_type = d.get("model_type")
         archs = d.get("architectures") or []
-        if model_type == "gemma3_text":
+        if model_type in FAMILIES["gemma3"].hf_model_types:
             return _gemma3_from_hf_dict(cls, d)
         if model_type != "llama" and "LlamaForCausalLM" not in archs:
             raise ConfigError(

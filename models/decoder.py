@@ -206,13 +206,13 @@ def _run_layers(config: LlamaConfig, params: Params, h: jax.Array, positions: ja
     freqs = layer_inv_freqs(config)  # f32[L, d/2]
     if len({f.tobytes() for f in freqs}) == 1:  # one RoPE for every layer: computed once
         cos, sin = rope.rope_cos_sin(positions, freqs[0])  # f32[B, T, d/2]
-        tables = lambda i, f: (cos, sin)  # noqa: E731
+        tables = lambda f: (cos, sin)  # noqa: E731
     else:
-        tables = lambda i, f: rope.rope_cos_sin(positions, f)  # noqa: E731
+        tables = lambda f: rope.rope_cos_sin(positions, f)  # noqa: E731
 
     def body(h, xs):
         i, f, lp, const = xs
-        cos, sin = tables(i, f)
+        cos, sin = tables(f)
         return _block(config, lp, h, cos, sin, lambda q, k, v: attend(i, const, q, k, v))
 
     xs = (jnp.arange(config.n_layers), jnp.asarray(freqs), params["layers"], consts)

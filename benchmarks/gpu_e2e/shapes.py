@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
+from million_jax.cache.base import tree_nbytes
 from models import LlamaConfig, preset
 
 from .settings import Settings
@@ -28,7 +27,7 @@ def t_max_for(s: Settings, context: int) -> int:
 
 def tree_bytes(tree: Any) -> int:
     """Bytes of all array leaves (arrays or ShapeDtypeStructs)."""
-    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return tree_nbytes(tree)
 
 
 def param_bytes(config: LlamaConfig, dtype_bytes: int = 2) -> int:

@@ -66,7 +66,7 @@ PyTree = Any
 Writes = dict[str, Union[tuple[jax.Array, jax.Array], jax.Array]]
 
 __all__ = ["CACHE_DIMS", "CacheOverflowError", "LayerState", "KVCache", "Writes", "check_cache_args",
-           "check_exact_tokens", "kept_tokens", "register_cache", "token_rows", "write_rows"]
+           "check_exact_tokens", "kept_tokens", "register_cache", "token_rows", "tree_nbytes", "write_rows"]
 
 
 class LayerState(abc.ABC):
@@ -213,7 +213,12 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes of the per-step state (every array leaf; cache_consts excluded)."""
-        return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(self))
+        return tree_nbytes(self)
+
+
+def tree_nbytes(tree: PyTree) -> int:
+    """Bytes of every array leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``s)."""
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 class CacheOverflowError(ValueError):

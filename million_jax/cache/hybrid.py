@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from million_jax.cache.base import KVCache, LayerState, Writes, check_cache_args, kept_tokens, register_cache
+from million_jax.cache.base import (KVCache, LayerState, Writes, check_cache_args, kept_tokens, register_cache,
+                                    tree_nbytes)
 from million_jax.cache.window import exact_window_attention, window_writes
 from million_jax.quant.uniform import KVBits
 
@@ -161,10 +162,8 @@ class HybridCache(KVCache):
 
     def nbytes_by_kind(self) -> dict[str, int]:
         """{"global", "sliding", "total"}: bytes of the per-step state of each kind of layer."""
-        size = lambda t: sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize  # noqa: E731
-                             for x in jax.tree.leaves(t))
-        glob, local = size(self.layers.glob), size(self.layers.local)
-        return {"global": glob, "sliding": local, "total": self.nbytes()}
+        return {"global": tree_nbytes(self.layers.glob), "sliding": tree_nbytes(self.layers.local),
+                "total": self.nbytes()}
 
     def layer_consts(self, cache_consts: Any = None) -> Any:
         """The global cache's constants (checked by it, leaves [Lg, ...]) spread over the L
