@@ -9,6 +9,18 @@ without their file are skipped with a note).
         --codebooks-dir /tmp/fr --protocol all --max-tokens 4096
     PYTHONPATH=. python benchmarks/frontier.py --table     # results.md + frontier.png from the JSONs
 
+    # Gemma 3 270M (its 3 global layers take the cache, the 15 sliding layers keep exact 512-token
+    # rings; each 512-token window starts with BOS, as the model's tokenizer adds one):
+    PYTHONPATH=. python benchmarks/frontier.py --model gemma3-270m --out benchmarks/results/frontier/gemma3 \
+        --codebooks-dir /tmp/g3fr --protocol all --calibrate
+    PYTHONPATH=. python benchmarks/frontier.py --model gemma3-270m --out benchmarks/results/frontier/gemma3 --table
+
+``--calibrate`` first makes the missing ``pq{B}_s{S}.safetensors`` with the model's calibration
+flags (``MODELS``: SmolLM2 the ``calibrate`` defaults, Gemma 3 the flags of
+``benchmarks/results/gemma3_270m/run.sh``: 8192 tokens, keys before RoPE), its wall time in
+``calibrate_pq{B}_s{S}.json`` beside the rows. Each row's JSON also gets ``wall_s`` (the whole
+command, model load included).
+
 Protocols: ``all`` (every key/value from codes; KIVI then has no exact recent tokens and each
 query reads its own key group with the group's prefix statistics) and ``realistic`` (pq and
 turboquant: 4 exact sinks + 64 exact recent tokens; KIVI: its own R recent tokens, no sinks).
@@ -34,8 +46,20 @@ KIVI_REALISTIC = [(2, 32, 32), (2, 32, 128), (2, 128, 128), (4, 32, 32), (4, 32,
 PQ_BITS = [2, 3, 4]
 SEEDS = [0, 1]
 
+# per model: plot label, whether the turboquant+qjl rows run by default, the calibrate flags of the
+# pq rows (besides --model --text builtin:calib --bits --seed --out) and the plot's y range (x dense)
+MODELS = {
+    "smollm2": {"label": "SmolLM2-135M", "qjl": True, "calibrate": [], "ylim": {"all": 1.6, "realistic": 1.15}},
+    "gemma3-270m": {"label": "Gemma 3 270M (cache on the 3 global layers)", "qjl": False,
+                    "calibrate": ["--tokens", "8192", "--rope", "pre"], "ylim": {"all": 2.0, "realistic": 1.6}},
+}
 
-def rows(protocol: str, books_dir: str) -> list[tuple[str, list[str]]]:
+
+def model_preset(model: str) -> dict:
+    return MODELS.get(model, {"label": model, "qjl": True, "calibrate": [], "ylim": {"all": 1.6, "realistic": 1.15}})
+
+
+def rows(protocol: str, books_dir: str, qjl: bool = True) -> list[tuple[str, list[str]]]:
     out = []
     if protocol == "all":
         out.append(("dense", ["--cache", "dense"]))
@@ -46,7 +70,7 @@ def rows(protocol: str, books_dir: str) -> list[tuple[str, list[str]]]:
                         + extra))
     for b in TURBO:
         out.append((f"turboquant{b:g}", ["--cache", "turboquant", "--bits", f"{b:g}"] + extra))
-    for b in TURBO_QJL:
+    for b in TURBO_QJL if qjl else []:
         out.append((f"turboquant{b:g}_qjl", ["--cache", "turboquant", "--bits", f"{b:g}", "--qjl"] + extra))
     if protocol == "all":
         for b, g in KIVI_ALL:
@@ -59,11 +83,36 @@ def rows(protocol: str, books_dir: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+def calibrate(args) -> None:
+    """The missing pq codebook files of the rows, one ``million-jax calibrate`` each."""
+    os.makedirs(args.codebooks_dir, exist_ok=True)
+    for b in PQ_BITS:
+        for s in SEEDS:
+            out = os.path.join(args.codebooks_dir, f"pq{b}_s{s}.safetensors")
+            if os.path.exists(out):
+                continue
+            cmd = CLI + ["calibrate", "--model", args.model, "--text", "builtin:calib"] \
+                + model_preset(args.model)["calibrate"] + ["--bits", str(b), "--seed", str(s), "--out", out]
+            print(f"[calibrate] pq{b}_s{s}: {shlex.join(cmd[2:])}", flush=True)
+            t0 = time.time()
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode:
+                print(f"  FAILED ({res.returncode}): {res.stderr[-2000:]}", flush=True)
+                continue
+            wall = time.time() - t0
+            with open(os.path.join(args.out, f"calibrate_pq{b}_s{s}.json"), "w") as f:
+                json.dump({"command": "million-jax " + shlex.join(cmd[3:]), "wall_s": round(wall, 1)}, f, indent=1)
+            print(f"  {wall:.0f} s", flush=True)
+
+
 def run(args) -> None:
     os.makedirs(args.out, exist_ok=True)
     only = set(args.only.split(",")) if args.only else None
+    qjl = model_preset(args.model)["qjl"] if args.qjl is None else args.qjl
+    if args.calibrate:
+        calibrate(args)
     for protocol in args.protocol.split(","):
-        todo = rows(protocol, args.codebooks_dir)
+        todo = rows(protocol, args.codebooks_dir, qjl)
         for i, (name, flags) in enumerate(todo):
             if only and name not in only:
                 continue
@@ -84,6 +133,7 @@ def run(args) -> None:
             with open(path) as f:
                 r = json.load(f)
             r["command"] = "million-jax " + shlex.join(cmd[3:])
+            r["wall_s"] = round(time.time() - t0, 1)
             with open(path, "w") as f:
                 json.dump(r, f, indent=1)
             print(f"  ppl {r['ppl']:.4f}, {r['storage_bits_per_element']:.3f} b/elem stored ({time.time() - t0:.0f} s)",
@@ -115,14 +165,16 @@ def table(args) -> None:
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(text)
     print(text)
-    plot(res, dense, os.path.join(args.out, "frontier.png"))
+    plot(res, dense, os.path.join(args.out, "frontier.png"), model_preset(args.model))
 
 
-def plot(res, dense, path) -> None:
+def plot(res, dense, path, preset=None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    preset = preset or model_preset("smollm2")
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=False)
     style = {"pq": ("tab:blue", "o"), "turboquant": ("tab:orange", "s"), "turboquant+qjl": ("tab:red", "x"),
@@ -149,10 +201,10 @@ def plot(res, dense, path) -> None:
                 ax.plot([b for b, _, _ in pts], [y for _, y, _ in pts], color=color, marker=marker, label=fam)
         if dense:
             ax.axhline(dense["ppl"], color="k", ls="--", lw=1, label=f"dense bf16 ({dense['ppl']:.2f})")
-            ax.set_ylim(dense["ppl"] * 0.98, dense["ppl"] * (1.6 if protocol == "all" else 1.15))
+            ax.set_ylim(dense["ppl"] * 0.98, dense["ppl"] * preset["ylim"][protocol])
         ax.set_xlabel("stored bits per K/V element (codes + norms / scales)")
         ax.set_ylabel("perplexity (lower is better)")
-        ax.set_title(f"SmolLM2-135M, builtin:eval 4096 tokens, protocol {protocol}"
+        ax.set_title(f"{preset['label']}, builtin:eval 4096 tokens, protocol {protocol}"
                      + (" (every token from codes)" if protocol == "all" else " (exact sinks/recent)"), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -172,6 +224,12 @@ def main() -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--only", help="comma-separated row names")
     p.add_argument("--table", action="store_true", help="only write results.md and frontier.png")
+    p.add_argument("--calibrate", action="store_true",
+                   help="first make the missing pq codebook files with the model's calibrate flags (MODELS)")
+    qj = p.add_mutually_exclusive_group()
+    qj.add_argument("--qjl", dest="qjl", action="store_true", default=None,
+                    help="run the turboquant+qjl rows (default: smollm2 yes, gemma3-270m no)")
+    qj.add_argument("--no-qjl", dest="qjl", action="store_false")
     args = p.parse_args()
     if args.table:
         table(args)
