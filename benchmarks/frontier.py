@@ -50,7 +50,7 @@ SEEDS = [0, 1]
 # pq rows (besides --model --text builtin:calib --bits --seed --out) and the plot's y range (x dense)
 MODELS = {
     "smollm2": {"label": "SmolLM2-135M", "qjl": True, "calibrate": [], "ylim": {"all": 1.6, "realistic": 1.15}},
-    "gemma3-270m": {"label": "Gemma 3 270M (cache on the 3 global layers)", "qjl": False,
+    "gemma3-270m": {"label": "Gemma 3 270M", "qjl": False,
                     "calibrate": ["--tokens", "8192", "--rope", "pre"], "ylim": {"all": 2.0, "realistic": 1.6}},
 }
 
