@@ -22,6 +22,8 @@ flags into one: :func:`million_app.flags.cache_spec`); this module only reads it
     bytes_per_token           ``cache.bytes_per_token()``: all layers and KV heads, K + V
     cache_bytes               ``cache.nbytes()`` (the whole state: codes, exact ring and sinks,
                               staging buffers, lengths)
+    sink_bytes                of which the exact first tokens (``sinks`` / ``precise_sinks``): a
+                              fixed cost per sequence, not per token (0 without sinks)
     cache_bytes_global / _sliding  a hybrid model's (Gemma 3) two kinds of layer apart: the global
                               layers in the chosen kind, the sliding layers' exact rings (fixed
                               size whatever the context); dense_cache_bytes_global likewise
@@ -40,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from million_app.errors import UsageError
+from million_jax.cache.base import tree_nbytes
 from million_jax.cache.spec import CacheSpec, make_cache
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -96,9 +99,10 @@ def label(spec: CacheSpec) -> str:
         b = spec.codebooks
         if b is None:
             return "pq"
+        sinks = f" +{spec.precise_sinks} {dtype_name(spec)} sinks" if spec.precise_sinks else ""
         if b.same_budget and b.key_transform is None and b.value_transform is None and b.stages == 1:
-            return f"pq M={b.key_M} nbits={b.key_nbits} {b.granularity}"
-        return f"pq {b.recipe} {b.granularity}"
+            return f"pq M={b.key_M} nbits={b.key_nbits} {b.granularity}{sinks}"
+        return f"pq {b.recipe} {b.granularity}{sinks}"
     if spec.kind == "turboquant":
         return f"turboquant {spec.bits:g} b" + (" +qjl" if spec.qjl else "")
     if spec.kind == "kivi":
@@ -121,7 +125,8 @@ def settings(spec: CacheSpec) -> dict[str, Any]:
     out.update(protocol=protocol(spec), recent=spec.window, sinks=spec.sinks)
     if spec.kind == "pq":
         b = spec.codebooks
-        out.update(M=b.key_M, nbits=b.key_nbits, value_M=b.value_M, value_nbits=b.value_nbits,
+        out.update(precise_sinks=spec.precise_sinks,
+                   M=b.key_M, nbits=b.key_nbits, value_M=b.value_M, value_nbits=b.value_nbits,
                    query_aware_keys=b.key_transform is not None,
                    output_aware_values=b.value_transform is not None, stages=b.stages,
                    granularity=b.granularity)
@@ -172,6 +177,15 @@ def build(spec: CacheSpec, config: Any, batch: int, max_len: int) -> tuple[Any, 
 
 
 # ---------------------------------------------------------------------------- accounting
+def sink_bytes(cache: Any) -> int:
+    """Bytes of the exact first tokens (``sink_k`` + ``sink_v`` of every layer; 0 for a cache
+    without them): fixed per sequence, whatever the context."""
+    layers = getattr(cache, "layers", None)
+    layers = getattr(layers, "glob", layers)  # a HybridCache: its global layers hold the sinks
+    arrays = [getattr(layers, f, None) for f in ("sink_k", "sink_v")]
+    return int(sum(tree_nbytes(a) for a in arrays if a is not None))
+
+
 def memory(spec: CacheSpec, config: Any, batch: int, max_len: int) -> dict[str, Any]:
     """The memory accounting of the module docstring, read from the cache itself.
 
@@ -193,6 +207,7 @@ def memory(spec: CacheSpec, config: Any, batch: int, max_len: int) -> dict[str, 
         "storage_bits_per_element": stored,
         "bytes_per_token": cache.bytes_per_token(),
         "cache_bytes": int(cache.nbytes()),
+        "sink_bytes": sink_bytes(cache),
         "dense_cache_bytes": int(dense.nbytes()),
         "dense_cache_dtype": dtype_name(spec),
         "codebook_bytes": int(spec.codebooks.nbytes) if spec.kind == "pq" else 0,

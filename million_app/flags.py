@@ -85,7 +85,8 @@ def cache_spec(args: argparse.Namespace, model: LoadedModel) -> tuple[CacheSpec,
     """The library CacheSpec of the cache flags, and where its codebooks came from.
 
     Returns (spec, source): source is ``{"codebooks": path, "calib_window": n or None}`` when
-    --codebooks is given (what the commands report and warn about), else ``{}``. Flags that do
+    --codebooks is given (what the commands report and warn about), else ``{}``; a pq spec's
+    ``precise_sinks`` come from --precise-sinks, else from the codebook file's metadata. Flags that do
     not apply to the chosen --cache are refused here; the settings themselves are checked by
     CacheSpec, whose ValueError becomes one UsageError line naming the flags.
     """
@@ -120,13 +121,18 @@ def cache_spec(args: argparse.Namespace, model: LoadedModel) -> tuple[CacheSpec,
         raise UsageError(f"--bits is a setting of --cache uniform, kivi or turboquant (--cache {args.cache} "
                          "takes its budget from its codebooks)" if args.cache == "pq" else
                          f"--bits is a setting of --cache uniform, kivi or turboquant, not of --cache {args.cache}")
+    precise = getattr(args, "precise_sinks", None)
+    if precise is not None and args.cache != "pq":
+        raise UsageError("--precise-sinks is a setting of --cache pq")
+    if precise is not None and precise < 0:
+        raise UsageError(f"--precise-sinks must be >= 0, got {precise}")
     if args.cache == "pq" and args.codebooks is None:
         raise UsageError("--cache pq needs --codebooks FILE (make one with `million-jax calibrate`)")
     flags = " ".join(f"{flag} {val}" for flag, val in (
         ("--cache", args.cache), ("--bits", args.bits), ("--group-size", args.group_size),
         ("--uniform-mode", args.uniform_mode), ("--protocol", args.protocol), ("--recent", args.recent),
         ("--sinks", args.sinks), ("--codebooks", args.codebooks), ("--qjl", True if qjl else None),
-        ("--rotation-seed", rotation_seed)) if val is not None)
+        ("--rotation-seed", rotation_seed), ("--precise-sinks", precise)) if val is not None)
     kw: dict[str, Any] = dict(
         kind=args.cache, dtype=DTYPES[args.cache_dtype], bits=args.bits,
         quantize_all=quantized and protocol == "all",
@@ -145,8 +151,11 @@ def cache_spec(args: argparse.Namespace, model: LoadedModel) -> tuple[CacheSpec,
     if args.codebooks is None:
         return spec, {}
     books, meta = load_model_codebooks(args.codebooks, model)
+    if precise is None:  # the codebook file's measured choice (calibrate --bits B records it)
+        n = meta.get("precise_sinks", 0)
+        precise = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 0
     try:
-        spec = dataclasses.replace(spec, codebooks=books)
+        spec = dataclasses.replace(spec, codebooks=books, precise_sinks=precise)
     except ValueError as e:
         raise UsageError(f"{flags}: {e}") from None
     w = meta.get("calib_window")

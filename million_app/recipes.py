@@ -168,6 +168,13 @@ BEST_FOR_BITS: dict[str, dict[int, str]] = {
     "pre": {4: "pq4-pre", 3: "pq3-pre", 2: "pq2-pre"},
 }
 
+# recipe name -> exact first tokens recorded in the codebook file (`calibrate --bits B`; `eval`
+# keeps them in the cache dtype under both protocols, a fixed cost per sequence), adopted where
+# measured to win on both k-means seeds (benchmarks/results/frontier/README.md, "The first rows at
+# higher precision"): at 2 b/elem 4 bf16 sinks take every-token-from-codes SmolLM2 from +36.7% /
+# +39.2% to +32.0% / +30.0%; at 4 b/elem (pq4-pre) they won on one seed and lost on the other.
+PRECISE_SINKS: dict[str, int] = {"pq2-r2-qa": 4}
+
 
 def recipe_for_bits(bits: int, key_rope: str = "pre") -> Recipe:
     """The recipe for ``--bits`` with keys quantized ``key_rope`` RoPE (UsageError for a budget

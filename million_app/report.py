@@ -147,6 +147,8 @@ def memory_line(r: dict) -> str:
     line = (f"{r['bits_per_element']:.2f} bits/elem; cache {human_bytes(r['cache_bytes'])} vs "
             f"dense {r['dense_cache_dtype']} {human_bytes(r['dense_cache_bytes'])} "
             f"({ratio:.2f}x smaller)")
+    if r.get("sink_bytes"):
+        line += f", of which {human_bytes(r['sink_bytes'])} exact first tokens (fixed per sequence)"
     if r.get("codebook_bytes"):
         line += f"; codebooks {human_bytes(r['codebook_bytes'])} (once per model)"
     return line

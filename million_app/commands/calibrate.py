@@ -13,7 +13,7 @@ from million_app.corpus import text_hash
 from million_app.errors import UsageError
 from million_app.flags import check_codebook_settings, check_positions, check_positive, load_text
 from million_app.loading import model_name, open_model, tokenize
-from million_app.recipes import fit_recipe, recipe_for_bits
+from million_app.recipes import PRECISE_SINKS, fit_recipe, recipe_for_bits
 from million_app.report import check_writable, human_bytes
 from million_jax.quant.kv_codebooks import GRANULARITIES
 from million_jax.quant.pq import MAX_NBITS, MIN_NBITS
@@ -47,6 +47,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "up to the longest window, default 512 and the model's context, at most 8192 and "
                         "at most half the calibration tokens)")
     p.add_argument("--batch", type=int, default=4, help="windows per forward (default 4)")
+    p.add_argument("--precise-sinks", type=int, metavar="N",
+                   help="record N exact first tokens per sequence in the file: `eval`/`generate` keep them "
+                        "in the cache dtype under both protocols (a fixed cost per sequence, not per token); "
+                        "default: the measured choice of --bits, else 0")
     p.add_argument("--out", required=True, help=f"output .safetensors file ({KEPT})")
     force_arg(p, "--out")
     return p
@@ -56,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     """Fit K/V codebooks on calibration text and save them with metadata."""
     check_positive(tokens=args.tokens, iters=args.iters, max_vectors=args.max_vectors,
                    batch=args.batch, M=args.M)
+    if args.precise_sinks is not None and args.precise_sinks < 0:
+        raise UsageError(f"--precise-sinks must be >= 0, got {args.precise_sinks}")
     check_writable(args.out, "--out", force=args.force)
     text = load_text(args.text, "--text", args)
     model = open_model(args.model)
@@ -112,15 +118,20 @@ def run(args: argparse.Namespace) -> int:
             books = fit_recipe(recipe, model, k, v, gram, count, granularity=args.granularity,
                                seed=args.seed, iters=args.iters, max_vectors=args.max_vectors,
                                queries=queries)
+    precise_sinks = args.precise_sinks
+    if precise_sinks is None:
+        precise_sinks = PRECISE_SINKS.get(recipe.name, 0) if recipe else 0
     meta = codebook_metadata(model, books, calib_text=args.text, calib_text_hash=text_hash(text),
                              calib_tokens=used, calib_windows=windows,
                              seed=args.seed,
                              iters=args.iters, max_vectors=args.max_vectors,
                              fit_seconds=round(t["seconds"], 2),
                              recipe=recipe.name if recipe else None,
-                             finetune_steps=recipe.finetune_steps if recipe else 0)
+                             finetune_steps=recipe.finetune_steps if recipe else 0,
+                             precise_sinks=precise_sinks)
     save_model_codebooks(args.out, books, meta, force=args.force, doing="calibrating")
+    sinks = f", {precise_sinks} exact first tokens per sequence" if precise_sinks else ""
     print(f"wrote {args.out}: {books.recipe} {books.granularity} codebooks "
-          f"({meta['bits_per_element']:.2f} bits/elem, {human_bytes(books.nbytes)}) for "
+          f"({meta['bits_per_element']:.2f} bits/elem{sinks}, {human_bytes(books.nbytes)}) for "
           f"{model_name(model)} from {used} tokens of {args.text}")
     return 0

@@ -56,6 +56,10 @@ def cache_args(p: argparse.ArgumentParser, default_protocol: str) -> None:
                         f"tokens kept exact (default: {default_protocol})")
     g.add_argument("--recent", type=int, help="realistic: exact recent tokens (default 64)")
     g.add_argument("--sinks", type=int, help="realistic: exact first tokens (default 0)")
+    g.add_argument("--precise-sinks", type=int, metavar="N",
+                   help="pq: the first N tokens of every sequence kept in --cache-dtype under both protocols "
+                        "(a fixed cost per sequence); default: what the codebook file records (`calibrate "
+                        "--bits B` records the measured choice), else 0")
     cache_dtype_arg(g)
     p.set_defaults(default_protocol=default_protocol)
 

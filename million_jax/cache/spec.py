@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from million_jax import rope
 from million_jax.cache.base import KVCache, check_exact_tokens
@@ -54,10 +55,16 @@ class CacheSpec:
     dtype:         dtype of the dense cache / of the exact sinks, window and uniform stats
     window, sinks: exact recent / first tokens of the quantized caches (0: none)
     quantize_all:  MILLION's protocol: every key/value read from codes; window and sinks are
-                   then set to 0 (nothing is kept exact)
+                   then set to 0 (nothing is kept exact but the ``precise_sinks``)
+    precise_sinks: kind "pq": the first N tokens of every sequence kept in ``dtype`` under every
+                   protocol, ``quantize_all`` included (attention reads them exactly, every other
+                   token as the protocol says; with ``sinks`` the larger count is kept). A fixed
+                   cost per sequence, 2 * N * L * Hkv * d values in ``dtype``, not per token: the
+                   cache's ``nbytes`` counts it, its ``bits_per_element`` does not
+                   (benchmarks/results/frontier: the first rows carry much of the PQ loss)
     codebooks:     PQCodebooks (kind "pq"; may be left None where the codebooks come later,
                    e.g. a Flax layer's, but :func:`make_cache` needs them)
-    impl:          "auto" | "xla" | "pallas": attention over PQ codes
+    impl:          "auto" | "xla" | "pallas": attention over PQ / TurboQuant codes (the Pallas kernel)
     bits, group_size, uniform_mode, tile: UniformCache settings (kind "uniform"; bits required)
     kind "turboquant": ``bits`` per coordinate (2, 2.5, 3, 3.5, 4, ...; required), ``seed`` of the
                    per-layer rotations, ``qjl`` (keys spend one bit on the QJL residual)
@@ -78,11 +85,17 @@ class CacheSpec:
     tile: int = 512
     seed: int = 0
     qjl: bool = False
+    precise_sinks: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:
             raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {self.kind!r}")
         check_exact_tokens(self.window, self.sinks)
+        n = self.precise_sinks
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"precise_sinks must be an int >= 0, got {n!r}")
+        if self.precise_sinks and self.kind != "pq":
+            raise ValueError(f"precise_sinks is a setting of a pq cache, not of a {self.kind} cache")
         check_impl(self.impl)
         if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
             raise ValueError(f"dtype must be a floating type, got {self.dtype}")
@@ -119,6 +132,14 @@ class CacheSpec:
             object.__setattr__(self, "window", 0)
             object.__setattr__(self, "sinks", 0)
 
+    def exact_tokens(self) -> tuple[int, int, bool]:
+        """(window, sinks, quantize_all) as the quantized layer state is built with them: the
+        ``precise_sinks`` join the sinks, and under ``quantize_all`` they make a layer with exact
+        sinks and no window (every position >= precise_sinks read from codes, the current
+        token's included)."""
+        sinks = max(self.sinks, self.precise_sinks)
+        return self.window, sinks, self.quantize_all and not self.precise_sinks
+
 
 def make_cache(spec: CacheSpec, model: Any, batch: int, max_len: int) -> tuple[KVCache, PQCodebooks | None]:
     """(empty cache, cache_consts) of ``spec`` for ``model``'s shape; bad settings: ValueError.
@@ -150,13 +171,14 @@ def _make_uniform_kind(spec: CacheSpec, model: Any, L: int, batch: int,
         books = spec.codebooks.check(L, hkv, d)
         if getattr(model, "rope_theta", None) is not None:  # a LLaMA-style config: RoPE known
             books.check_rope(rope.rope_inv_freq(d, model.rope_theta, getattr(model, "rope_scaling", None)))
-        cache = PQCache.for_codebooks(books, batch, hkv, max_len, window=spec.window, sinks=spec.sinks,
-                                      dtype=spec.dtype, quantize_all=spec.quantize_all, impl=spec.impl)
+        window, sinks, quantize_all = spec.exact_tokens()
+        cache = PQCache.for_codebooks(books, batch, hkv, max_len, window=window, sinks=sinks,
+                                      dtype=spec.dtype, quantize_all=quantize_all, impl=spec.impl)
         return cache, books
     if spec.kind == "turboquant":
         cache = TurboQuantCache.create(L, batch, hkv, max_len, d, bits=spec.bits, qjl=spec.qjl, window=spec.window,
                                        sinks=spec.sinks, dtype=spec.dtype, quantize_all=spec.quantize_all,
-                                       tile=spec.tile)
+                                       tile=spec.tile, impl=spec.impl)
         return cache, turboquant_consts(L, d, spec.seed, spec.qjl)
     if spec.kind == "kivi":
         return KiviCache.create(L, batch, hkv, max_len, d, bits=spec.bits, group_size=spec.group_size,

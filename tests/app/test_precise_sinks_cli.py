@@ -1,0 +1,76 @@
+"""`--precise-sinks`: the first N tokens kept in the cache dtype under --protocol all too; recorded by
+`calibrate`, read back by `eval` from the codebook file; their bytes reported apart."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from million_app.cli import main
+from million_jax.quant.codebook_io import load_codebooks
+
+EVAL = ("--text", "builtin:eval", "--quiet", "--window", 64, "--max-tokens", 128, "--cache-dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def sink_codebooks(tiny_dir, tmp_path_factory) -> str:
+    """The ``codebooks`` fixture's settings, recorded with 4 precise sinks."""
+    path = str(tmp_path_factory.mktemp("books") / "tiny_sinks.safetensors")
+    assert main(["calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "1024", "--window", "256",
+                 "--nbits", "6", "--iters", "3", "--precise-sinks", "4", "--out", path, "--quiet"]) == 0
+    return path
+
+
+def _eval(cli, tiny_dir, tmp_path, name, *flags):
+    out = tmp_path / f"{name}.json"
+    res = cli("eval", "--model", tiny_dir, *EVAL, "--cache", "pq", *flags, "--json", out)
+    assert res.rc == 0, res.err
+    return json.loads(out.read_text())
+
+
+def test_precise_sinks_from_the_file_or_the_flag(cli, tiny_dir, codebooks, sink_codebooks, tmp_path):
+    assert load_codebooks(sink_codebooks)[1]["precise_sinks"] == 4
+    assert load_codebooks(codebooks)[1].get("precise_sinks", 0) == 0  # --M/--nbits: nothing recorded
+    plain = _eval(cli, tiny_dir, tmp_path, "plain", "--codebooks", codebooks)
+    flag = _eval(cli, tiny_dir, tmp_path, "flag", "--codebooks", codebooks, "--precise-sinks", 4)
+    # same seed and settings: the same centroids, so the file's metadata must give the flag's result
+    from_file = _eval(cli, tiny_dir, tmp_path, "file", "--codebooks", sink_codebooks)
+    off = _eval(cli, tiny_dir, tmp_path, "off", "--codebooks", sink_codebooks, "--precise-sinks", 0)
+    sinks_only = _eval(cli, tiny_dir, tmp_path, "realistic", "--codebooks", codebooks, "--protocol", "realistic",
+                       "--sinks", 4, "--recent", 0)
+    assert from_file["protocol"] == flag["protocol"] == "all"
+    assert (from_file["precise_sinks"], off["precise_sinks"], plain["precise_sinks"]) == (4, 0, 0)
+    np.testing.assert_allclose(from_file["nll"], flag["nll"], rtol=1e-6)
+    np.testing.assert_allclose(off["nll"], plain["nll"], rtol=1e-6)
+    # every token from codes but the first 4 == realistic with 4 exact sinks and no recent window
+    np.testing.assert_allclose(flag["nll"], sinks_only["nll"], rtol=1e-6)
+    assert abs(flag["nll"] - plain["nll"]) > 1e-5
+    # bytes: the sinks are fixed per sequence (K and V, 2 layers, 2 KV heads, 4 rows, d 16, float32),
+    # reported apart and added to the cache, never to the per-token bits
+    assert flag["sink_bytes"] == 2 * 2 * 2 * 4 * 16 * 4 and plain["sink_bytes"] == 0
+    assert flag["cache_bytes"] == plain["cache_bytes"] + flag["sink_bytes"]
+    assert flag["storage_bits_per_element"] == plain["storage_bits_per_element"] == 3.0
+    assert flag["bytes_per_token"] == plain["bytes_per_token"]
+    assert "+4 float32 sinks" in flag["cache_label"]
+
+
+def test_precise_sinks_refused_off_pq(cli, tiny_dir, tmp_path):
+    res = cli("eval", "--model", tiny_dir, *EVAL, "--cache", "uniform", "--bits", 4, "--precise-sinks", 4)
+    assert res.rc != 0 and "--precise-sinks is a setting of --cache pq" in res.err
+    res = cli("eval", "--model", tiny_dir, *EVAL, "--cache", "pq", "--codebooks", "x.safetensors",
+              "--precise-sinks", -1)
+    assert res.rc != 0 and "--precise-sinks must be >= 0" in res.err
+
+
+def test_calibrate_bits_records_the_adopted_sinks(cli, tiny_dir, tmp_path):
+    """--bits 2 (pq2-r2-qa) records the measured 4 precise sinks; --precise-sinks overrides it."""
+    from million_app.recipes import PRECISE_SINKS
+
+    for flags, want in (((), PRECISE_SINKS["pq2-r2-qa"]), (("--precise-sinks", 0), 0)):
+        path = tmp_path / f"b2_{want}.safetensors"
+        res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "1024", "--window", "256",
+                  "--bits", "2", *flags, "--iters", "1", "--max-vectors", "512", "--out", path, "--quiet")
+        assert res.rc == 0, res.err
+        meta = load_codebooks(str(path))[1]
+        assert meta["recipe"] == "pq2-r2-qa" and meta["precise_sinks"] == want
