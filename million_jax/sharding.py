@@ -74,6 +74,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from million_jax.cache.pq_cache import PQCache
+from million_jax.cache.turboquant_cache import TurboQuantCache
 from million_jax.attention.pq_dispatch import KernelMesh
 
 __all__ = [
@@ -363,11 +364,11 @@ def shard_cache(cache: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> PyTr
     """A DenseCache / PQCache / UniformCache / TurboQuantCache / KiviCache: every array by batch ("data") and KV
     head ("model").
 
-    A PQ cache also records how its codes are split (a ``KernelMesh`` in its layer state),
+    A PQ (or TurboQuant) cache also records how its codes are split (a ``KernelMesh`` in its layer state),
     so that decode steps run the Pallas kernel per shard under ``shard_map`` instead of
     gathering the cache (``million_jax.attention.pq_dispatch``).
     """
-    if isinstance(cache, PQCache):
+    if isinstance(cache, (PQCache, TurboQuantCache)):
         codes = cache.layers.k_codes  # [L, B, Hkv, T, M]
         spec = tuple(logical_to_spec(logical_axes("k_codes", 5), codes.shape, mesh, rules)) + (None,) * 5
         km = KernelMesh(mesh, batch_axes=_as_tuple(spec[1]), kv_axes=_as_tuple(spec[2]))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.code_packing import codebook_nbits, is_packed
+from pallas_kernels.code_packing import Parts, check_parts, codebook_nbits, is_packed, parts_width
 
 __all__ = ["PQDims", "check_pq_inputs", "is_power_of_two", "pq_dims"]
 
@@ -43,6 +43,18 @@ class PQDims:
     v_groups: int  # G of the value codebook
     k_packed_bits: int = 0  # > 0: key codes packed at that many bits (pallas_kernels.code_packing)
     v_packed_bits: int = 0  # > 0: value codes packed alike
+    k_parts: Parts | None = None  # key codes in a layout of several parts (code_packing.Parts)
+    v_parts: Parts | None = None  # value codes alike
+    k_scaled: bool = False  # a per-token key scale multiplies each score (k_scales [B, Hkv, T])
+    v_scaled: bool = False  # a per-token value scale multiplies each value (v_scales [B, Hkv, T])
+
+    def layout(self, which: str) -> Parts | None:
+        """The code layout of "k" or "v": its parts, ((M, nbits),) for packed codes, None for one
+        code per uint8."""
+        parts, bits = (self.k_parts, self.k_packed_bits) if which == "k" else (self.v_parts, self.v_packed_bits)
+        if parts is not None:
+            return parts
+        return ((self.num_subspaces, bits),) if bits else None
 
 
 def _shape_dtype(x: object, name: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -51,13 +63,16 @@ def _shape_dtype(x: object, name: str) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(x.shape), np.dtype(x.dtype)  # type: ignore[attr-defined]
 
 
-def pq_dims(q, k_codes, v_codes, k_codebooks, v_codebooks) -> PQDims:
+def pq_dims(q, k_codes, v_codes, k_codebooks, v_codebooks, *, k_parts: Parts | None = None,
+            v_parts: Parts | None = None, k_scales=None, v_scales=None) -> PQDims:
     """The sizes of q float[B, H, d] over codes [B, Hkv, T, width] with codebooks [G, M, K, dsub].
 
     Reads shapes only (arrays or ShapeDtypeStructs) and checks nothing but what ``PQDims``
     cannot hold: keys and values with different M (ValueError). The fit of the codes to their
     codebooks is the caller's: :func:`check_pq_inputs`, or the cache that built them. Codes
-    whose width is not M are read as packed at log2 K bits (:mod:`pallas_kernels.code_packing`).
+    whose width is not M are read as packed at log2 K bits (:mod:`pallas_kernels.code_packing`),
+    unless ``k_parts`` / ``v_parts`` give their layout of several parts. ``k_scales`` /
+    ``v_scales`` (arrays, ShapeDtypeStructs or None) only say whether per-token scales come.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, seq_len = k_codes.shape[1:3]
@@ -79,14 +94,20 @@ def pq_dims(q, k_codes, v_codes, k_codebooks, v_codebooks) -> PQDims:
         v_centroids=vk,
         k_groups=kg,
         v_groups=vg,
-        k_packed_bits=packed(k_codes, kk),
-        v_packed_bits=packed(v_codes, vk),
+        k_packed_bits=packed(k_codes, kk) if k_parts is None else 0,
+        v_packed_bits=packed(v_codes, vk) if v_parts is None else 0,
+        k_parts=None if k_parts is None else check_parts(k_parts),
+        v_parts=None if v_parts is None else check_parts(v_parts),
+        k_scaled=k_scales is not None,
+        v_scaled=v_scales is not None,
     )
 
 
 def check_pq_inputs(
     q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_codebooks: jax.Array, v_codebooks: jax.Array,
     start: jax.Array, end: jax.Array,
+    *,
+    k_parts: Parts | None = None, v_parts: Parts | None = None, k_scales=None, v_scales=None,
 ) -> PQDims:
     """Validates the public inputs and returns their sizes; raises ValueError naming the problem.
 
@@ -94,6 +115,9 @@ def check_pq_inputs(
     uint8[B, Hkv, T, ceil(M * nbits / 8)] (nbits = log2 K of their codebook; keys and values
     each either way); k_codebooks, v_codebooks float[G, M, K, dsub] with G in {1, Hkv},
     M * dsub = d (one M for both), K <= 2**(code bits); start, end integer[B]; H a multiple of Hkv.
+    Optional: ``k_parts`` / ``v_parts`` (code_packing.Parts, counts summing to M): the codes are
+    uint8[..., parts_width(parts)] in that layout and K >= 2**(widest part's bits); ``k_scales`` /
+    ``v_scales`` float[B, Hkv, T], a per-token factor of each key (score) / value.
     """
     q_shape, q_dtype = _shape_dtype(q, "q")
     kc_shape, kc_dtype = _shape_dtype(k_codes, "k_codes")
@@ -139,6 +163,10 @@ def check_pq_inputs(
             raise ValueError(f"{name} shape {shape}: M * dsub must be the q head_dim {head_dim}")
         nbits = codebook_nbits(k)
         width = c_shape[3]
+        parts = k_parts if name == "k_codebooks" else v_parts
+        if parts is not None:
+            _check_parts_fit(name, parts, m, k, codes_name, width, c_dtype)
+            continue
         try:
             is_packed_codes = is_packed(width, m, nbits)
         except ValueError as e:
@@ -149,10 +177,34 @@ def check_pq_inputs(
         if not 1 <= k <= max_k:
             raise ValueError(f"{name} K={k} does not fit {c_dtype} codes (1 <= K <= {max_k})")
 
+    for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if x is None:
+            continue
+        shape, dt = _shape_dtype(x, name)
+        if shape != (batch, num_kv_heads, seq_len):
+            raise ValueError(f"{name} must be float[B, Hkv, T] = [{batch}, {num_kv_heads}, {seq_len}], got shape {shape}")
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(f"{name} must be a float array, got dtype {dt}")
+
     for name, shape, dt in (("start", s_shape, s_dtype), ("end", e_shape, e_dtype)):
         if shape != (batch,):
             raise ValueError(f"{name} must be int32[B={batch}], got shape {shape}")
         if not jnp.issubdtype(dt, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got dtype {dt}")
 
-    return pq_dims(q, k_codes, v_codes, k_codebooks, v_codebooks)  # raises for keys / values of different M
+    # raises for keys / values of different M
+    return pq_dims(q, k_codes, v_codes, k_codebooks, v_codebooks, k_parts=k_parts, v_parts=v_parts,
+                   k_scales=k_scales, v_scales=v_scales)
+
+
+def _check_parts_fit(name: str, parts: Parts, m: int, k: int, codes_name: str, width: int, dtype: np.dtype) -> None:
+    """ValueError unless codes [..., width] of ``dtype`` hold M codes in the layout ``parts``."""
+    parts = check_parts(parts)
+    if sum(n for n, _ in parts) != m:
+        raise ValueError(f"{codes_name} parts {parts} hold {sum(n for n, _ in parts)} codes, {name} has M={m}")
+    if dtype != np.uint8 or width != parts_width(parts):
+        raise ValueError(f"{codes_name} in the layout {parts} must be uint8[..., {parts_width(parts)}], "
+                         f"got {dtype}[..., {width}]")
+    widest = max(b for _, b in parts)
+    if k < 1 << widest:
+        raise ValueError(f"{name} K={k} is smaller than the {1 << widest} codes a {widest}-bit part can name")

@@ -9,6 +9,7 @@ fill 3 bytes, two 12-bit codes 3 bytes; codes that do not divide 8 straddle byte
     unpack_codes(packed uint8[..., P], M, nbits) -> uint8|uint16[..., M]
     code_bytes(M, nbits)                         -> (first byte, shift) of each code, window
     assemble_codes(window_bytes, shift, nbits)   -> the codes, from the bytes each code touches
+    pack_parts / unpack_parts / part_bit_layout  -> a layout of several parts of different widths
 
 ``assemble_codes`` is the one formula that reads a code out of its bytes: :func:`unpack_codes`
 (jnp gathers) and the Pallas kernel (pointer loads of the same bytes) both call it.
@@ -27,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["MAX_PACKED_BITS", "packed_width", "stored_width", "is_packed", "codebook_nbits", "code_bytes",
-           "assemble_codes", "pack_codes", "unpack_codes", "maybe_unpack"]
+           "assemble_codes", "pack_codes", "unpack_codes", "maybe_unpack", "Parts", "check_parts", "parts_width",
+           "parts_window", "part_bit_layout", "pack_parts", "unpack_parts"]
 
 MAX_PACKED_BITS = 15  # a code plus its bit offset (< 8) spans at most 3 bytes
 
@@ -78,7 +80,8 @@ def code_bytes(M: int, nbits: int) -> tuple[np.ndarray, np.ndarray, int]:
 
 def assemble_codes(window_bytes: Sequence[jax.Array], shift: jax.Array, nbits: int) -> jax.Array:
     """int32 codes from the bytes they touch: ``window_bytes[j]`` is byte ``byte[m] + j`` of each
-    code (any int array, broadcast with ``shift``); bytes past a code's last bit may hold anything."""
+    code (any int array, broadcast with ``shift``); bytes past a code's last bit may hold anything.
+    ``nbits``: an int, or an int32 array broadcast with ``shift`` (codes of several widths)."""
     word = window_bytes[0].astype(jnp.int32)
     for j, b in enumerate(window_bytes[1:], start=1):
         word = word | (b.astype(jnp.int32) << (8 * j))
@@ -118,3 +121,75 @@ def unpack_codes(packed: jax.Array, M: int, nbits: int) -> jax.Array:
 def maybe_unpack(codes: jax.Array, M: int, nbits: int) -> jax.Array:
     """Codes uint[..., M] as they are, or packed uint8[..., P] unpacked to one code per entry."""
     return unpack_codes(codes, M, nbits) if is_packed(codes.shape[-1], M, nbits) else codes
+
+
+# ------------------------------------------------------------------ layouts of several parts
+# A code layout of several parts, ``parts = ((n_0, bits_0), (n_1, bits_1), ...)``: n_0 codes of
+# bits_0 bits, then n_1 codes of bits_1 bits, ... (M = sum n_p); each part packed on its own at its
+# width (8-bit parts one code per byte) and the parts' bytes side by side. TurboQuant's fractional
+# budgets (half the coordinates at b + 1 bits, half at b) are stored this way, and the kernel reads
+# them with :func:`part_bit_layout`. A single part ``((M, nbits),)`` is the plain packed layout.
+Parts = tuple[tuple[int, int], ...]
+
+
+def _part_width(n: int, bits: int) -> int:
+    return n if bits == 8 else packed_width(n, bits)
+
+
+def check_parts(parts: Parts) -> Parts:
+    """``parts`` as a tuple of (count >= 1, bits in 1..15) int pairs, else ValueError."""
+    try:
+        out = tuple((int(n), int(b)) for n, b in parts)
+    except (TypeError, ValueError):
+        raise ValueError(f"code parts must be (count, bits) pairs, got {parts!r}") from None
+    if not out or any(n < 1 or not 1 <= b <= MAX_PACKED_BITS for n, b in out):
+        raise ValueError(f"code parts must be (count >= 1, bits in 1..{MAX_PACKED_BITS}) pairs, got {parts!r}")
+    return out
+
+
+def parts_width(parts: Parts) -> int:
+    """Bytes per token of a layout of several parts (each part whole bytes)."""
+    return sum(_part_width(n, b) for n, b in check_parts(parts))
+
+
+def parts_window(parts: Parts) -> int:
+    """The most bytes one code of the layout touches (parts start on byte boundaries)."""
+    return max(code_bytes(n, b)[2] for n, b in check_parts(parts))
+
+
+def part_bit_layout(m: jax.Array, parts: Parts) -> tuple[jax.Array, jax.Array]:
+    """(first bit int32, width int32) of code index ``m`` (an int32 array, e.g. an iota) in the
+    layout ``parts``: one ``where`` per part, so it also runs inside the Pallas kernel (no array
+    constants). For one part this is (m * nbits, nbits), :func:`code_bytes`' layout."""
+    bit = jnp.zeros_like(m)
+    width = jnp.zeros_like(m)
+    start, byte0 = 0, 0
+    for n, b in check_parts(parts):
+        inside = (m >= start) & (m < start + n)
+        bit = jnp.where(inside, byte0 * 8 + (m - start) * b, bit)
+        width = jnp.where(inside, b, width)
+        start, byte0 = start + n, byte0 + _part_width(n, b)
+    return bit, width
+
+
+def pack_parts(codes: Sequence[jax.Array], parts: Parts) -> jax.Array:
+    """One code array int[..., n_p] per part -> uint8[..., parts_width(parts)]."""
+    parts = check_parts(parts)
+    if len(codes) != len(parts):
+        raise ValueError(f"{len(codes)} code arrays for {len(parts)} parts")
+    return jnp.concatenate([c.astype(jnp.uint8) if b == 8 else pack_codes(c, b) for c, (n, b) in zip(codes, parts)],
+                           axis=-1)
+
+
+def unpack_parts(packed: jax.Array, parts: Parts) -> list[jax.Array]:
+    """Inverse of :func:`pack_parts`: one uint8|uint16[..., n_p] per part."""
+    parts = check_parts(parts)
+    if packed.shape[-1] != parts_width(parts):
+        raise ValueError(f"codes of layout {parts} take {parts_width(parts)} bytes per token, got {packed.shape[-1]}")
+    out, off = [], 0
+    for n, b in parts:
+        w = _part_width(n, b)
+        sl = packed[..., off:off + w]
+        out.append(sl if b == 8 else unpack_codes(sl, n, b))
+        off += w
+    return out

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._compat import pl, triton_compiler_params
 from pallas_kernels._pq_inputs import check_pq_inputs, pq_dims
+from pallas_kernels.code_packing import Parts
 from pallas_kernels.pq_kernel import pq_attention_kernel
 from pallas_kernels.pq_math import build_lut, check_rope_inv_freq, rope_turns
 from pallas_kernels.pq_plan import KernelPlan, plan_pq_kernel, pq_kernel_unsupported_reason
@@ -66,6 +67,10 @@ def pq_decode_attention(
     precision: Precision = "bf16",
     interpret: bool = False,
     rope_inv_freq: jax.Array | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    k_parts: Parts | None = None,
+    v_parts: Parts | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode attention of one query per sequence over PQ-coded keys and values (Pallas).
 
@@ -94,6 +99,10 @@ def pq_decode_attention(
         rotated at its own position already), code row t is the key of position t, rotated
         here by t * rope_inv_freq[m] (rotate-half convention; exact fixed-point angles,
         `pq_math.rope_phase`). key_path="centroid" only, M >= 16.
+      k_scales, v_scales: float[B, Hkv, T] or None: a per-token factor of each stored key (it
+        multiplies the token's score) / value (TurboQuant's norms; keys and values each or not).
+      k_parts, v_parts: codes in a layout of several parts of different widths
+        (`code_packing.Parts`, e.g. ((64, 3), (64, 2)): TurboQuant's 2.5 b), or None.
 
     Returns:
       (out float32[B, H, d], lse float32[B, H]) as `pq_decode_attention_reference`.
@@ -102,14 +111,16 @@ def pq_decode_attention(
       ValueError: bad shapes / dtypes, or inputs this kernel does not take (unpacked uint16
         codes, non-power-of-two d / M / dsub): the caller then uses the XLA reference path.
     """
-    dims = check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end)
+    dims = check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end, k_parts=k_parts,
+                           v_parts=v_parts, k_scales=k_scales, v_scales=v_scales)
     plan = plan_pq_kernel(dims, k_codes, v_codes, block_t=block_t, num_splits=num_splits, num_warps=num_warps,
                           num_stages=num_stages, key_path=key_path, precision=precision,
                           rope=rope_inv_freq is not None)
     if rope_inv_freq is not None:
         check_rope_inv_freq(rope_inv_freq, dims.num_subspaces, dims.sub_dim)
     return pq_decode_attention_planned(plan, q, k_codes, v_codes, k_codebooks, v_codebooks, start, end,
-                                       scale=scale, interpret=interpret, rope_inv_freq=rope_inv_freq)
+                                       scale=scale, interpret=interpret, rope_inv_freq=rope_inv_freq,
+                                       k_scales=k_scales, v_scales=v_scales)
 
 
 def pq_decode_attention_planned(
@@ -120,18 +131,25 @@ def pq_decode_attention_planned(
     scale: float | None = None,
     interpret: bool = False,
     rope_inv_freq: jax.Array | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`pq_decode_attention` with its inputs already checked and its launch already planned.
 
     For callers that plan once (:func:`plan_pq_kernel`; the dispatcher of ``million_jax``):
     the inputs are not validated again, only compared with the plan's sizes. Args / returns
-    as `pq_decode_attention`; ``rope_inv_freq`` is given exactly when the plan says ``rope``.
+    as `pq_decode_attention`; ``rope_inv_freq`` is given exactly when the plan says ``rope``, the
+    scales exactly when its dims say ``k_scaled`` / ``v_scaled`` (the code layouts are the plan's).
     """
     dims, cfg, key_path, precision = plan.dims, plan.launch, plan.key_path, plan.precision
     rope = plan.rope
     if rope != (rope_inv_freq is not None):
         raise ValueError(f"the kernel plan is for {'pre' if rope else 'post'}-RoPE keys; rope_inv_freq "
                          f"{'missing' if rope else 'given'}")
+    for name, x, want in (("k_scales", k_scales, dims.k_scaled), ("v_scales", v_scales, dims.v_scaled)):
+        if (x is not None) != want:
+            raise ValueError(f"the kernel plan {'takes' if want else 'has no'} {name}; {name} "
+                             f"{'missing' if want else 'given'}")
     batch, num_heads, head_dim = dims.batch, dims.num_heads, dims.head_dim
     if tuple(q.shape) != (batch, num_heads, head_dim) or tuple(k_codes.shape[:3]) != (
             batch, dims.num_kv_heads, dims.seq_len):
@@ -178,15 +196,21 @@ def pq_decode_attention_planned(
         precision=precision,
         k_centroids=dims.k_centroids,
         v_centroids=dims.v_centroids,
-        k_packed_bits=dims.k_packed_bits,
-        v_packed_bits=dims.v_packed_bits,
+        k_layout=dims.layout("k"),
+        v_layout=dims.layout("v"),
+        k_scaled=dims.k_scaled,
+        v_scaled=dims.v_scaled,
     )
     codes_spec = lambda c: pl.BlockSpec((None, None, t_len, c.shape[-1]), lambda b, h, s: (b, h, 0, 0))  # noqa: E731
     full_b = pl.BlockSpec((batch,), lambda b, h, s: (0,))
-    extra_in, extra_specs = (), []
+    extra_in, extra_specs = [], []
     if rope:
-        extra_in = (jnp.stack(rope_turns(rope_inv_freq)),)  # uint32[2, M]
-        extra_specs = [pl.BlockSpec((2, n_sub), lambda b, h, s: (0, 0))]
+        extra_in.append(jnp.stack(rope_turns(rope_inv_freq)))  # uint32[2, M]
+        extra_specs.append(pl.BlockSpec((2, n_sub), lambda b, h, s: (0, 0)))
+    for x in (k_scales, v_scales):  # [B, Hkv, T] -> one row [T] per program
+        if x is not None:
+            extra_in.append(x)
+            extra_specs.append(pl.BlockSpec((None, None, t_len), lambda b, h, s: (b, h, 0)))
     out_p, lse_p = pl.pallas_call(
         kernel,
         grid=(batch, hkv, s_count),

@@ -37,6 +37,11 @@ Kernel design (grid = (B, Hkv, num_splits)):
     code's one to three bytes are read by pointer loads (`codes_ref[rows, byte_m + j]`) and
     shifted / masked in registers (`code_packing.assemble_codes`, the same arithmetic as the
     jnp unpack), so the kernel reads exactly the stored bytes and no unpacked copy exists;
+  * per-token scales (optional, ``k_scaled`` / ``v_scaled``): a factor per stored token
+    multiplies its score (keys) and its probability inside the value dot (values; the softmax
+    denominator keeps the plain probabilities). TurboQuant's codes are this kernel's case of
+    d one-dim sub-spaces (the Lloyd-Max levels as codebooks) with each vector's norm as the
+    scale, their fractional budgets a layout of two parts of different widths;
   * values: value centroids gathered the same way by the value codes and weighted by the
     probabilities with a [block_h, block_t] x [block_t, d] dot;
   * every program writes a partial (out, lse) for its split (empty split: out 0, lse -inf);
@@ -66,7 +71,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._compat import pl, plgpu, triton_dot
-from pallas_kernels.code_packing import assemble_codes, code_bytes
+from pallas_kernels.code_packing import Parts, assemble_codes, part_bit_layout, parts_window
 from pallas_kernels.pq_math import phase_cos_sin, rope_phase
 from pallas_kernels.pq_support import KeyPath, Precision
 
@@ -92,7 +97,8 @@ def pq_attention_kernel(
     vc_ref,  # alike for values
     ktab_ref,  # centroid: [M, Kk, dsub] key codebook; lut: f32[group, M, Kk]
     vcb_ref,  # [M, Kv, dsub] value codebook
-    *refs,  # pre-RoPE: turns_ref uint32[2, M] (`pq_math.rope_turns`); then o_ref f32[block_h, d], lse_ref f32[block_h]
+    *refs,  # pre-RoPE: turns_ref uint32[2, M] (`pq_math.rope_turns`); k_scaled: ks_ref f32|bf16[T];
+    # v_scaled: vs_ref alike; then o_ref f32[block_h, d], lse_ref f32[block_h]
     rope: bool,
     block_t: int,
     num_splits: int,
@@ -101,8 +107,10 @@ def pq_attention_kernel(
     precision: Precision,
     k_centroids: int,
     v_centroids: int,
-    k_packed_bits: int,
-    v_packed_bits: int,
+    k_layout: Parts | None,
+    v_layout: Parts | None,
+    k_scaled: bool = False,
+    v_scaled: bool = False,
 ) -> None:
     """One program (sequence b, KV head g, split s) of the grid (B, Hkv, num_splits).
 
@@ -111,7 +119,11 @@ def pq_attention_kernel(
     written) and lse f32[block_h]; an empty split writes out 0, lse -inf. The refs' shapes are
     the block shapes given by `pq_decode_attention_planned` (commented above).
     """
-    turns_ref, o_ref, lse_ref = refs if rope else (None, *refs)
+    refs = list(refs)
+    turns_ref = refs.pop(0) if rope else None
+    ks_ref = refs.pop(0) if k_scaled else None
+    vs_ref = refs.pop(0) if v_scaled else None
+    o_ref, lse_ref = refs
     block_h, head_dim = o_ref.shape
     num_sub, _, sub_dim = vcb_ref.shape
     b = pl.program_id(0)
@@ -132,20 +144,23 @@ def pq_attention_kernel(
     m_idx3 = jnp.arange(num_sub, dtype=jnp.int32)[None, :, None]
     s_idx3 = jnp.arange(sub_dim, dtype=jnp.int32)[None, None, :]
 
-    def load_codes(ref, t0: jax.Array, valid: jax.Array, num_centroids: int, packed_bits: int) -> jax.Array:
-        if packed_bits:
+    def load_codes(ref, t0: jax.Array, valid: jax.Array, num_centroids: int, layout: Parts | None) -> jax.Array:
+        if layout is not None:
             # Packed codes: code m's bytes are read by pointer loads (integer-array indexing of
             # the ref; rows past `hi` re-read row hi - 1, scored -inf below) and assembled with
-            # the shared bit arithmetic of pallas_kernels.code_packing. First byte and shift are
-            # code_bytes' layout, computed from an iota (array constants do not lower).
+            # the shared bit arithmetic of pallas_kernels.code_packing. First bit and width are
+            # the layout's (`part_bit_layout`: m * nbits for one part; parts of several widths
+            # side by side), computed from an iota (array constants do not lower).
             width = ref.shape[1]
-            _, _, window = code_bytes(num_sub, packed_bits)
             rows = jnp.broadcast_to(jnp.minimum(t0 + t_idx, hi - 1)[:, None], (block_t, num_sub))
-            bit = jnp.broadcast_to(jnp.arange(num_sub, dtype=jnp.int32)[None, :] * packed_bits, (block_t, num_sub))
+            m_row = jnp.broadcast_to(jnp.arange(num_sub, dtype=jnp.int32)[None, :], (block_t, num_sub))
+            bit, nbits = part_bit_layout(m_row, layout)
+            if len(layout) == 1:
+                nbits = layout[0][1]  # one width: a constant mask
             first = bit >> 3
-            taken = [ref[rows, jnp.minimum(first + j, width - 1)] for j in range(window)]
-            codes = assemble_codes(taken, bit & 7, packed_bits)
-            bits_read = packed_bits
+            taken = [ref[rows, jnp.minimum(first + j, width - 1)] for j in range(parts_window(layout))]
+            codes = assemble_codes(taken, bit & 7, nbits)
+            bits_read = max(b for _, b in layout)
         else:
             # Rows past `hi` are masked (never read out of bounds) and scored -inf below.
             codes = plgpu.load(ref.at[pl.ds(t0, block_t), :], mask=valid[:, None], other=0)
@@ -154,6 +169,10 @@ def pq_attention_kernel(
         if num_centroids < (1 << bits_read):  # keep stray codes inside the table (memory safety)
             codes = jnp.minimum(codes, num_centroids - 1)
         return codes  # int32[block_t, M]
+
+    def load_scales(ref, t0: jax.Array, valid: jax.Array) -> jax.Array:
+        # rows past `hi` are masked (never read out of bounds); their scores are -inf anyway
+        return plgpu.load(ref.at[pl.ds(t0, block_t)], mask=valid, other=0).astype(jnp.float32)  # [block_t]
 
     def dequantise(cb_ref, codes: jax.Array) -> jax.Array:
         shape = (block_t, num_sub, sub_dim)
@@ -167,7 +186,7 @@ def pq_attention_kernel(
         acc, m_prev, l_prev = carry
         t0 = lo + i * block_t
         valid = t0 + t_idx < hi  # [block_t]; >= 1 valid row in every iterated tile
-        kc = load_codes(kc_ref, t0, valid, k_centroids, k_packed_bits)
+        kc = load_codes(kc_ref, t0, valid, k_centroids, k_layout)
         if rope:
             # score = (R(-b) q) . (R(o) c): q turned back by the tile's base angle b = t0 f,
             # each gathered centroid pair turned by its in-tile offset (see the module docstring)
@@ -200,14 +219,18 @@ def pq_attention_kernel(
                 reps = block_h // lut_rows
                 scores = jnp.broadcast_to(scores[None], (reps, lut_rows, block_t))
                 scores = scores.reshape(block_h, block_t)
+        if k_scaled:  # per-token key scale (TurboQuant's norm): score_t = s_t * (q . unit k_t)
+            scores = scores * load_scales(ks_ref, t0, valid)[None, :]
         scores = jnp.where(valid[None, :], scores, -jnp.inf)
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1))
         correction = jnp.exp(m_prev - m_new)  # 0 on the first tile (m_prev = -inf)
         p = jnp.exp(scores - m_new[:, None])
         l_new = correction * l_prev + jnp.sum(p, axis=1)
-        vc = load_codes(vc_ref, t0, valid, v_centroids, v_packed_bits)
+        vc = load_codes(vc_ref, t0, valid, v_centroids, v_layout)
         v_hat = dequantise(vcb_ref, vc).astype(dot_dtype)
-        pv = triton_dot(p.astype(dot_dtype), v_hat, precision=dot_precision)  # [block_h, d]
+        # per-token value scale: sum_t p_t s_t v_t, folded into the probabilities (l keeps p)
+        pw = p * load_scales(vs_ref, t0, valid)[None, :] if v_scaled else p
+        pv = triton_dot(pw.astype(dot_dtype), v_hat, precision=dot_precision)  # [block_h, d]
         return correction[:, None] * acc + pv, m_new, l_new
 
     init = (

@@ -1,4 +1,5 @@
-"""The one place that decides whether attention over PQ codes runs the Pallas kernel.
+"""The one place that decides whether attention over PQ codes (and TurboQuant codes, read by the
+same kernel as PQ with one-dim sub-spaces: :func:`turboquant_code_attention`) runs the Pallas kernel.
 
     pq_code_attention(q, k_codes, v_codes, k_books, v_books, lo, hi, impl=..., mesh=...)
 
@@ -37,9 +38,12 @@ from jax.sharding import Mesh, PartitionSpec
 
 from million_jax.attention.layer_slice import ArrayOrSlice, as_array
 from million_jax.attention.pq_xla import check_code_fit, pq_attention_xla
+from million_jax.attention.turboquant_xla import turboquant_attention_xla
+from million_jax.quant.turboquant import Part, level_table
 from pallas_kernels import KernelPlan, plan_pq_kernel, pq_decode_attention_planned, pq_dims
+from pallas_kernels.code_packing import Parts
 
-__all__ = ["IMPLS", "KernelMesh", "check_impl", "kernel_plan", "pq_code_attention"]
+__all__ = ["IMPLS", "KernelMesh", "check_impl", "kernel_plan", "pq_code_attention", "turboquant_code_attention"]
 
 IMPLS = ("auto", "xla", "pallas")
 
@@ -85,14 +89,17 @@ def _shard_shape(x, spec: PartitionSpec, mesh: KernelMesh) -> jax.ShapeDtypeStru
 
 
 def kernel_plan(impl: str, q: jax.Array, k_codes, v_codes, k_books, v_books,
-                mesh: KernelMesh | None = None, *, rope: bool = False) -> KernelPlan | None:
+                mesh: KernelMesh | None = None, *, rope: bool = False, k_parts: Parts | None = None,
+                v_parts: Parts | None = None, k_scales=None, v_scales=None) -> KernelPlan | None:
     """The kernel's launch for this call, or None for the xla path (see the module docstring).
 
     q float[B, T, H, d]; codes [B, Hkv, N, width] (arrays or LayerSlices); books
     float[G, M, K, dsub]. The kernel is a decode kernel (T == 1) and ``impl="auto"`` uses it on
     a GPU only: both are tested before any shape is looked at. The launch is then planned once,
     for one shard's shapes when ``mesh`` is given. ``impl="pallas"`` and a call the kernel
-    cannot take: ValueError naming why. ``rope``: keys quantized before RoPE.
+    cannot take: ValueError naming why. ``rope``: keys quantized before RoPE; ``k_parts`` /
+    ``v_parts``: codes in a layout of several parts; ``k_scales`` / ``v_scales`` (shapes only):
+    per-token scales come (:func:`pallas_kernels.pq_decode_attention`).
     """
     check_impl(impl)
     if impl == "xla" or q.shape[1] != 1 or (impl == "auto" and not _on_gpu()):
@@ -103,7 +110,9 @@ def kernel_plan(impl: str, q: jax.Array, k_codes, v_codes, k_books, v_books,
         q1, k_codes, v_codes, k_books, v_books = (
             _shard_shape(x, s, mesh) for x, s in zip(args, _in_specs(k_books, v_books, mesh)))
     try:
-        return plan_pq_kernel(pq_dims(q1, k_codes, v_codes, k_books, v_books), k_codes, v_codes, rope=rope)
+        dims = pq_dims(q1, k_codes, v_codes, k_books, v_books, k_parts=k_parts, v_parts=v_parts, k_scales=k_scales,
+                       v_scales=v_scales)
+        return plan_pq_kernel(dims, k_codes, v_codes, rope=rope)
     except ValueError as e:
         if impl == "pallas":
             raise ValueError(f"impl='pallas' cannot run: {e}") from None
@@ -111,22 +120,29 @@ def kernel_plan(impl: str, q: jax.Array, k_codes, v_codes, k_books, v_books,
 
 
 def _kernel(plan: KernelPlan, q, k_codes, v_codes, k_books, v_books, lo, hi, mesh: KernelMesh | None,
-            scale: float | None, rope_inv_freq: jax.Array | None = None):
+            scale: float | None, rope_inv_freq: jax.Array | None = None, k_scales: jax.Array | None = None,
+            v_scales: jax.Array | None = None):
     """(out f32[B, H, d], lse f32[B, H]) of the planned kernel, per shard when ``mesh`` is given.
 
-    rope_inv_freq (pre-RoPE keys) is per key sub-space, so every shard gets all of it."""
-    run = functools.partial(pq_decode_attention_planned, plan, interpret=not _on_gpu(), scale=scale)
-    args = (q, k_codes, v_codes, k_books, v_books, lo, hi)
-    if rope_inv_freq is not None:
-        run = lambda *a, run=run: run(*a[:-1], rope_inv_freq=a[-1])  # noqa: E731
-        args += (rope_inv_freq,)
+    rope_inv_freq (pre-RoPE keys) is per key sub-space, so every shard gets all of it; the
+    per-token scales [B, Hkv, N] are split like the codes."""
+    base = functools.partial(pq_decode_attention_planned, plan, interpret=not _on_gpu(), scale=scale)
+    extras = {name: x for name, x in (("rope_inv_freq", rope_inv_freq), ("k_scales", k_scales),
+                                      ("v_scales", v_scales)) if x is not None}
+    names = tuple(extras)
+
+    def run(*a):
+        return base(*a[:7], **dict(zip(names, a[7:])))
+
+    args = (q, k_codes, v_codes, k_books, v_books, lo, hi) + tuple(extras.values())
     if mesh is None:
         return run(*args)
     b, h = mesh.batch_axes, mesh.kv_axes
+    extra_specs = tuple(_spec() if n == "rope_inv_freq" else _spec(b, h) for n in names)
     sharded = jax.shard_map(
         run,
         mesh=mesh.mesh,
-        in_specs=_in_specs(k_books, v_books, mesh) + ((_spec(),) if rope_inv_freq is not None else ()),
+        in_specs=_in_specs(k_books, v_books, mesh) + extra_specs,
         out_specs=(_spec(b, h), _spec(b, h)),
         check_vma=False,
     )
@@ -171,3 +187,51 @@ def pq_code_attention(
         return out[:, None], lse[:, None]
     return pq_attention_xla(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale, rope_inv_freq=rope_inv_freq,
                             check_codes=False)
+
+
+def turboquant_code_attention(
+    qr: jax.Array,
+    k_codes: ArrayOrSlice,
+    k_norms: ArrayOrSlice,
+    v_codes: ArrayOrSlice,
+    v_norms: ArrayOrSlice,
+    lo: jax.Array,
+    hi: jax.Array,
+    *,
+    key_parts: tuple[Part, ...],
+    value_parts: tuple[Part, ...],
+    impl: str = "auto",
+    mesh: KernelMesh | None = None,
+    scale: float | None = None,
+    qs: jax.Array | None = None,
+    k_qjl: ArrayOrSlice | None = None,
+    k_rnorms: ArrayOrSlice | None = None,
+    tile: int = 512,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of the rotated query qr float[B, T, H, d] over TurboQuant codes, lo <= s < hi.
+
+    The kernel reads TurboQuant codes as PQ: d one-dim sub-spaces whose codebooks are the
+    Lloyd-Max levels (:func:`million_jax.quant.turboquant.level_table`, shared by every KV head),
+    the packed parts as the codes' layout, each token's norm as its per-token scale. Decode steps
+    go to it as PQ codes do (``impl``, ``mesh``: :func:`kernel_plan`); prefill, the QJL key
+    residual (``qs``, ``k_qjl``, ``k_rnorms``: :func:`turboquant_attention_xla`, the kernel has no
+    second key table) and ``impl="xla"`` take the pure-jnp path. Shapes as
+    :func:`~million_jax.attention.turboquant_xla.turboquant_attention_xla`; returns (out f32[B, T, H, d]
+    in rotated coordinates, lse f32[B, T, H]).
+    """
+    d = qr.shape[-1]
+    if qs is not None and impl == "pallas" and qr.shape[1] == 1:
+        raise ValueError("impl='pallas' cannot run: the QJL key residual is read on the xla path only")
+    if qs is None:
+        k_books = level_table(key_parts, d)[None, :, :, None]  # [1, d, K, 1]
+        v_books = level_table(value_parts, d)[None, :, :, None]
+        scales = [jax.ShapeDtypeStruct(tuple(x.shape[:-1]), x.dtype) for x in (k_norms, v_norms)]
+        plan = kernel_plan(impl, qr, k_codes, v_codes, k_books, v_books, mesh, k_parts=tuple(key_parts),
+                           v_parts=tuple(value_parts), k_scales=scales[0], v_scales=scales[1])
+        if plan is not None:
+            kc, vc, kn, vn = (as_array(x) for x in (k_codes, v_codes, k_norms, v_norms))
+            out, lse = _kernel(plan, qr[:, 0], kc, vc, k_books, v_books, lo[:, 0], jnp.maximum(hi[:, 0], lo[:, 0]),
+                               mesh, scale, k_scales=kn[..., 0], v_scales=vn[..., 0])
+            return out[:, None], lse[:, None]
+    return turboquant_attention_xla(qr, qs, k_codes, k_norms, k_qjl, k_rnorms, v_codes, v_norms, lo, hi,
+                                    key_parts=key_parts, value_parts=value_parts, tile=tile, scale=scale)

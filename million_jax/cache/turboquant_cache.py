@@ -16,8 +16,10 @@ residual, one Gaussian projection per layer; :func:`turboquant_consts` makes the
 The levels are not stored: they follow from (d, bits) alone.
 
 Attention: the query is rotated once per call, the stored codes are read by
-:func:`~million_jax.attention.turboquant_xla.turboquant_attention_xla` (scores from the levels
-and each token's norm, values summed in rotated coordinates), the call's own tokens from their
+:func:`~million_jax.attention.pq_dispatch.turboquant_code_attention` (scores from the levels
+and each token's norm, values summed in rotated coordinates; decode steps in the Pallas PQ kernel
+with one-dim sub-spaces and the norms as per-token scales, per shard on a mesh, else the pure-jnp
+path), the call's own tokens from their
 decoded codes, both merged by log-sum-exp and turned back by R^T once; sinks and the recent
 window are exact (:mod:`million_jax.cache.window`) and merged the same way. ``quantize_all``
 reads every token from codes. Keys are quantized after RoPE (as published).
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from million_jax.attention.exact import tiled_dense_attention
-from million_jax.attention.turboquant_xla import turboquant_attention_xla
+from million_jax.attention.pq_dispatch import KernelMesh, check_impl, turboquant_code_attention
 from million_jax.cache.base import CACHE_DIMS, Writes, check_cache_args, kept_tokens, register_cache, token_rows
 from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
 from million_jax.quant import turboquant as tq
@@ -71,7 +73,7 @@ _DATA = ["k_codes", "k_norms", "k_qjl", "k_rnorms", "v_codes", "v_norms", "sink_
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_DATA,
-                   meta_fields=["bits", "qjl", "quantize_all", "tile"])
+                   meta_fields=["bits", "qjl", "quantize_all", "tile", "impl", "mesh"])
 @dataclasses.dataclass(frozen=True)
 class TurboQuantLayer(ExactWindowLayer):
     """One layer of a TurboQuantCache (module docstring; per layer the leading L axis is absent)."""
@@ -92,6 +94,8 @@ class TurboQuantLayer(ExactWindowLayer):
     qjl: bool = False
     quantize_all: bool = False
     tile: int = 512
+    impl: str = "auto"
+    mesh: KernelMesh | None = None
 
     @property
     def key_parts(self) -> tuple[tq.Part, ...]:
@@ -136,10 +140,11 @@ class TurboQuantLayer(ExactWindowLayer):
         rot = consts.rotation
         qr = jnp.einsum("bthj,ij->bthi", q.astype(jnp.float32), rot, precision=_HI)  # R q, once per call
         qs = None if not self.qjl else jnp.einsum("bthj,ij->bthi", qr, consts.qjl, precision=_HI)
-        stored = turboquant_attention_xla(
-            qr, qs, self.k_codes, self.k_norms, self.k_qjl if self.qjl else None, self.k_rnorms if self.qjl else None,
-            self.v_codes, self.v_norms, lo, jnp.minimum(hi, lengths[:, None]), key_parts=self.key_parts,
-            value_parts=self.value_parts, tile=self.tile, scale=scale)
+        stored = turboquant_code_attention(
+            qr, self.k_codes, self.k_norms, self.v_codes, self.v_norms, lo, jnp.minimum(hi, lengths[:, None]),
+            key_parts=self.key_parts, value_parts=self.value_parts, impl=self.impl, mesh=self.mesh, scale=scale,
+            qs=qs, k_qjl=self.k_qjl if self.qjl else None, k_rnorms=self.k_rnorms if self.qjl else None,
+            tile=self.tile)
         fresh = tiled_dense_attention(qr, jnp.swapaxes(k_rec, 1, 2), jnp.swapaxes(v_rec, 1, 2),
                                       jnp.maximum(lo - lengths[:, None], 0), jnp.clip(hi - lengths[:, None], 0, t),
                                       scale=scale, return_lse=True)
@@ -166,10 +171,15 @@ class TurboQuantCache(ExactWindowCache):
     @classmethod
     def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, *,
                bits: float = 4, qjl: bool = False, window: int = 0, sinks: int = 0, dtype: Any = jnp.bfloat16,
-               quantize_all: bool = False, tile: int = 512) -> "TurboQuantCache":
+               quantize_all: bool = False, tile: int = 512, impl: str = "auto") -> "TurboQuantCache":
         """An empty cache of ``bits`` per coordinate (:data:`~million_jax.quant.turboquant.TURBOQUANT_BITS`;
-        with ``qjl`` the keys spend one of them on the residual's sign). Norms in ``dtype``."""
+        with ``qjl`` the keys spend one of them on the residual's sign). Norms in ``dtype``.
+        ``impl``: "auto" | "xla" | "pallas", as for a PQ cache (decode steps in the Pallas kernel;
+        not with ``qjl``)."""
         b = tq.check_bits(bits, head_dim, qjl=qjl)
+        check_impl(impl)
+        if qjl and impl == "pallas":
+            raise ValueError("impl='pallas' cannot run a turboquant cache with the QJL key residual (xla path only)")
         check_cache_args(dict(zip(CACHE_DIMS, (num_layers, batch, num_kv_heads, max_len, head_dim))), dtype,
                          window, sinks)
         if not isinstance(tile, int) or tile < 1:
@@ -182,7 +192,7 @@ class TurboQuantCache(ExactWindowCache):
             k_codes=z(tq.stored_bits(kp) // 8), k_norms=z(1, dtype),
             k_qjl=z(head_dim // 8 if qjl else 0), k_rnorms=z(1 if qjl else 0, dtype),
             v_codes=z(tq.stored_bits(vp) // 8), v_norms=z(1, dtype),
-            bits=b, qjl=bool(qjl), quantize_all=quantize_all, tile=tile,
+            bits=b, qjl=bool(qjl), quantize_all=quantize_all, tile=tile, impl=impl,
             **empty_window((num_layers, batch, num_kv_heads), sinks, window, head_dim, dtype))
         return cls(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
 

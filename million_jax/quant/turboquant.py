@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.code_packing import pack_codes, packed_width, unpack_codes
+from pallas_kernels.code_packing import pack_codes, pack_parts, parts_width, unpack_codes, unpack_parts
 
 __all__ = ["TURBOQUANT_BITS", "QJL_SCALE", "Part", "bit_parts", "check_bits", "coordinate_pdf", "lloyd_max_levels",
            "lloyd_max_mse", "random_rotation", "layer_rotations", "qjl_matrices", "stored_bits", "encode",
-           "decode_rotated", "unit_levels", "pack_parts", "unpack_parts", "qjl_encode", "qjl_decode_rotated", "unpack_signs"]
+           "decode_rotated", "unit_levels", "level_table", "pack_parts", "unpack_parts", "qjl_encode", "qjl_decode_rotated", "unpack_signs"]
 
 # budgets a turboquant cache offers (bits per coordinate, norms not counted)
 TURBOQUANT_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 6, 8)
@@ -90,7 +90,7 @@ def bit_parts(bits: float, head_dim: int) -> tuple[Part, ...]:
 
 def stored_bits(parts: tuple[Part, ...]) -> int:
     """Bits the packed codes of ``parts`` take per vector (whole bytes per part)."""
-    return sum(8 * (p.n if p.bits == 8 else packed_width(p.n, p.bits)) for p in parts)
+    return 8 * parts_width(parts)
 
 
 # ------------------------------------------------------------------ Lloyd-Max levels
@@ -208,25 +208,19 @@ def unit_levels(codes: list, parts: tuple[Part, ...], d: int) -> jax.Array:
                             for c, p in zip(codes, parts)], axis=-1)
 
 
+def level_table(parts: tuple[Part, ...], d: int) -> jax.Array:
+    """float32[d, K]: row j holds the levels of rotated coordinate j's part (K = 2^(widest part's
+    bits); a narrower part's row is padded with zeros its codes never name). Read as PQ codebooks
+    of d one-dim sub-spaces (``[None, :, :, None]``), the Pallas kernel scores TurboQuant codes with
+    its centroid gather (:mod:`million_jax.attention.pq_dispatch`)."""
+    k = 1 << max(p.bits for p in parts)
+    rows = [np.broadcast_to(np.pad(lloyd_max_levels(d, p.bits), (0, k - (1 << p.bits))), (p.n, k)) for p in parts]
+    return jnp.asarray(np.concatenate(rows, axis=0), jnp.float32)
+
+
 def decode_rotated(codes: list, norm: jax.Array, parts: tuple[Part, ...], d: int) -> jax.Array:
     """float32[..., d]: ``norm * levels[codes]``, the reconstruction in rotated coordinates."""
     return unit_levels(codes, parts, d) * norm.astype(jnp.float32)
-
-
-def pack_parts(codes: list, parts: tuple[Part, ...]) -> jax.Array:
-    """uint8[..., P]: every part's codes packed at its width, parts side by side."""
-    return jnp.concatenate([c if p.bits == 8 else pack_codes(c, p.bits) for c, p in zip(codes, parts)], axis=-1)
-
-
-def unpack_parts(packed: jax.Array, parts: tuple[Part, ...]) -> list:
-    """Inverse of :func:`pack_parts`: one uint8[..., n_p] per part."""
-    out, off = [], 0
-    for p in parts:
-        w = p.n if p.bits == 8 else packed_width(p.n, p.bits)
-        sl = packed[..., off:off + w]
-        out.append(sl if p.bits == 8 else unpack_codes(sl, p.n, p.bits).astype(jnp.uint8))
-        off += w
-    return out
 
 
 def qjl_encode(residual: jax.Array, s: jax.Array, norm_dtype) -> tuple[jax.Array, jax.Array]:

@@ -53,6 +53,7 @@ def make_inputs(case: Case, seed: int, starts=None, ends=None) -> dict:
 def numpy_oracle(inputs: dict, scale: float | None = None,
                  freqs=None) -> tuple[np.ndarray, np.ndarray]:
     """Dequantise K and V, then plain softmax attention in float64 (independent of the jnp code).
+    Codes one per entry; optional ``k_scales`` / ``v_scales`` [B, Hkv, T] in ``inputs`` scale row t.
 
     freqs float[M] (keys quantized before RoPE, dsub 2): key row t is first rotated pair-wise
     by t * freqs[m] with float64 angles."""
@@ -62,6 +63,8 @@ def numpy_oracle(inputs: dict, scale: float | None = None,
     kcb = np.asarray(inputs["k_codebooks"].astype(jnp.float32), np.float64)
     vcb = np.asarray(inputs["v_codebooks"].astype(jnp.float32), np.float64)
     start, end = np.asarray(inputs["start"]), np.asarray(inputs["end"])
+    ks, vs = (None if inputs.get(n) is None else np.asarray(inputs[n].astype(jnp.float32), np.float64)
+              for n in ("k_scales", "v_scales"))
     b, h, d = q.shape
     _, hkv, t, m = kc.shape
     group = h // hkv
@@ -85,6 +88,10 @@ def numpy_oracle(inputs: dict, scale: float | None = None,
                 kk = np.stack([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1)
             kk = kk.reshape(hi - lo, d)
             vv = np.stack([vg[mi, vc[bi, g, lo:hi, mi]] for mi in range(vg.shape[0])], axis=1).reshape(hi - lo, d)
+            if ks is not None:  # per-token scales: score and value of row t times its scale
+                kk = kk * ks[bi, g, lo:hi, None]
+            if vs is not None:
+                vv = vv * vs[bi, g, lo:hi, None]
             s = scale * kk @ q[bi, hi_]
             mx = s.max()
             p = np.exp(s - mx)

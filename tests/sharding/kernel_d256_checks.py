@@ -1,10 +1,11 @@
 """The Pallas kernel per shard at head_dim 256 on one KV head (Gemma 3's global layers), as a
 script under 4 fake CPU devices (``test_sharded_kernel_d256.py`` runs it in a subprocess and
-asserts on the JSON it prints).
+asserts on the JSON it prints). PQ caches, and TurboQuant caches (the same kernel with one-dim
+sub-spaces and per-token norms; cases "tq...").
 
 One KV head cannot be split, so ``rules_for`` replicates the cache over "model" and splits it
 over "data" by batch only (``KernelMesh(batch_axes=("data",), kv_axes=())``). For each case a
-one-layer PQCache (B 4, 4 query heads on 1 KV head, d 256, sinks and a window) takes a ragged
+one-layer PQCache or TurboQuantCache (B 4, 4 query heads on 1 KV head, d 256, sinks and a window) takes a ragged
 prefill on one device, then one decode step runs (impl="pallas": the kernel, interpret mode)
 
 * on one device, with impl="pallas" and with impl="xla" (the reference path), and
@@ -42,24 +43,31 @@ from cache_layer_step import attend_layer0  # noqa: E402
 from million_jax import rope  # noqa: E402
 from million_jax import sharding as S  # noqa: E402
 from million_jax.cache.pq_cache import PQCache  # noqa: E402
+from million_jax.cache.turboquant_cache import TurboQuantCache, turboquant_consts  # noqa: E402
 from million_jax.quant.kv_codebooks import PQCodebooks  # noqa: E402
 
 B, H, HKV, D, T_MAX, SINKS, WINDOW = 4, 4, 1, 256, 40, 1, 2
-# (name, M, nbits, pre-RoPE keys, meshes)
+# (name, M, nbits, pre-RoPE keys, meshes); TurboQuant: (name, None, bits per coordinate, False, meshes)
 CASES = [
     ("M128-8bit", 128, 8, False, [(2, 2)]),
     ("M64-6bit-packed", 64, 6, False, [(2, 2)]),
     ("pre-M128-4bit-packed", 128, 4, True, [(2, 2), (4, 1)]),
+    ("tq4", None, 4, False, [(2, 2)]),
+    ("tq2.5-two-parts", None, 2.5, False, [(2, 2), (4, 1)]),
 ]
 
 
-def setup(m: int, nbits: int, pre: bool, seed: int) -> tuple[PQCodebooks, list[tuple[np.ndarray, ...]]]:
-    """Codebooks [1 layer, 1 KV head, M, 2**nbits, 256 / M] and two chunks of (q, k, v, n_new):
-    a ragged prefill, then one decode token per sequence."""
+def setup(m: int | None, nbits: float, pre: bool, seed: int) -> tuple[Any, list[tuple[np.ndarray, ...]]]:
+    """The cache constants (PQ codebooks [1 layer, 1 KV head, M, 2**nbits, 256 / M], or for m None
+    a TurboQuant rotation) and two chunks of (q, k, v, n_new): a ragged prefill, then one decode
+    token per sequence."""
     rng = np.random.default_rng(seed)
-    shape = (1, HKV, m, 2**nbits, D // m)
-    books = PQCodebooks.from_centroids(rng.standard_normal(shape).astype(np.float32),
-                                       rng.standard_normal(shape).astype(np.float32), "layer_head", num_layers=1)
+    if m is None:
+        books = turboquant_consts(1, D, seed=seed)
+    else:
+        shape = (1, HKV, m, 2**nbits, D // m)
+        books = PQCodebooks.from_centroids(rng.standard_normal(shape).astype(np.float32),
+                                           rng.standard_normal(shape).astype(np.float32), "layer_head", num_layers=1)
     if pre:
         books = books.with_pre_rope_keys(rope.rope_inv_freq(D, 1e6))
     chunks = []
@@ -69,7 +77,7 @@ def setup(m: int, nbits: int, pre: bool, seed: int) -> tuple[PQCodebooks, list[t
     return books, chunks
 
 
-def decode_step(cache: PQCache, books: PQCodebooks, chunk: tuple) -> tuple[Any, Any, str]:
+def decode_step(cache: Any, books: Any, chunk: tuple) -> tuple[Any, Any, str]:
     """(out, cache, traced jaxpr text) of one attend + write on layer 0."""
     args = (cache, books) + tuple(jnp.asarray(a) for a in chunk)
     traced = attend_layer0.trace(*args)
@@ -77,12 +85,19 @@ def decode_step(cache: PQCache, books: PQCodebooks, chunk: tuple) -> tuple[Any, 
     return out, cache, str(traced.jaxpr)
 
 
-def run_case(name: str, m: int, nbits: int, pre: bool, meshes: list[tuple[int, int]], seed: int) -> dict:
+def empty_cache(books: Any, nbits: float, impl: str):
+    if isinstance(books, PQCodebooks):
+        return PQCache.for_codebooks(books, B, HKV, T_MAX, window=WINDOW, sinks=SINKS, dtype=jnp.float32, impl=impl)
+    return TurboQuantCache.create(1, B, HKV, T_MAX, D, bits=nbits, window=WINDOW, sinks=SINKS, dtype=jnp.float32,
+                                  impl=impl)
+
+
+def run_case(name: str, m: int | None, nbits: float, pre: bool, meshes: list[tuple[int, int]], seed: int) -> dict:
     books, (prefill, step) = setup(m, nbits, pre, seed)
     res: dict[str, Any] = {"name": name}
     single = {}
     for impl in ("pallas", "xla"):
-        cache = PQCache.for_codebooks(books, B, HKV, T_MAX, window=WINDOW, sinks=SINKS, dtype=jnp.float32, impl=impl)
+        cache = empty_cache(books, nbits, impl)
         _, cache = attend_layer0(cache, books, *(jnp.asarray(a) for a in prefill))
         single[impl] = (cache, decode_step(cache, books, step))
     res["kernel_vs_xla"] = float(jnp.max(jnp.abs(single["pallas"][1][0] - single["xla"][1][0])))

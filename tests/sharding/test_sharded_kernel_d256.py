@@ -1,5 +1,5 @@
 """The Pallas kernel per shard under ``shard_map`` at head_dim 256 on one KV head (GQA 4:1),
-sharded over batch: the same decode step as on one device (``kernel_d256_checks.py``, run in a
+sharded over batch, for PQ and TurboQuant caches: the same decode step as on one device (``kernel_d256_checks.py``, run in a
 subprocess under 4 fake CPU devices; this file asserts on its JSON)."""
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import pytest
 pytestmark = pytest.mark.slow  # ~25 s of CPU: one subprocess compiling 7 decode steps
 
 SCRIPT = Path(__file__).resolve().parent / "kernel_d256_checks.py"
-CASES = ["M128-8bit", "M64-6bit-packed", "pre-M128-4bit-packed"]
-MESHES = {"M128-8bit": [[2, 2]], "M64-6bit-packed": [[2, 2]], "pre-M128-4bit-packed": [[2, 2], [4, 1]]}
+CASES = ["M128-8bit", "M64-6bit-packed", "pre-M128-4bit-packed", "tq4", "tq2.5-two-parts"]
+MESHES = {"M128-8bit": [[2, 2]], "M64-6bit-packed": [[2, 2]], "pre-M128-4bit-packed": [[2, 2], [4, 1]],
+          "tq4": [[2, 2]], "tq2.5-two-parts": [[2, 2], [4, 1]]}
 
 
 @pytest.fixture(scope="module")
