@@ -8,7 +8,9 @@ Installs nothing. Steps:
      LLaMA-3.1-8B (32 / 8, d 128) head shapes, M = 64, nbits = 8 (4 bits / element), and
      the LLaMA-3.1-8B shape with 6-bit codes packed at their real width (3 bits / element,
      4 codes in 3 bytes, unpacked in the kernel), and Gemma 3's global layers (4 / 1 heads,
-     d 256, M 128: the wide-head launch defaults):
+     d 256, M 128: the wide-head launch defaults), and TurboQuant 4-bit codes at the LLaMA-3.1-8B
+     and Gemma 3 global shapes (M = d one-dim sub-spaces packed two per byte, a bf16 norm per
+     token as key / value scale: the same kernel, 4.125 / 4.0625 bits per element read):
        pq          the Pallas kernel (default launch config, + any --variant)
        pq-pre      the same with keys quantized before RoPE (rope_inv_freq: each key pair
                    rotated in the kernel at its position; --rope post|pre|both, default both)
@@ -63,13 +65,17 @@ class HeadShape:
     head_dim: int
     num_subspaces: int
     nbits: int = 8
+    token_scales: bool = False  # TurboQuant codes: dsub 1, a bf16 norm per token as key / value scale
 
 
 FULL_SHAPES = [HeadShape("llama2-7b", 32, 32, 128, 64), HeadShape("llama3.1-8b", 32, 8, 128, 64),
                HeadShape("llama3.1-8b-6bit", 32, 8, 128, 64, nbits=6),
-               HeadShape("gemma3-global", 4, 1, 256, 128)]
+               HeadShape("gemma3-global", 4, 1, 256, 128),
+               HeadShape("llama3.1-8b-tq4", 32, 8, 128, 128, nbits=4, token_scales=True),
+               HeadShape("gemma3-global-tq4", 4, 1, 256, 256, nbits=4, token_scales=True)]
 TINY_SHAPES = [HeadShape("tiny-mha", 4, 4, 64, 32), HeadShape("tiny-gqa", 4, 2, 64, 32),
-               HeadShape("tiny-gqa-6bit", 4, 2, 64, 32, nbits=6)]
+               HeadShape("tiny-gqa-6bit", 4, 2, 64, 32, nbits=6),
+               HeadShape("tiny-gqa-tq4", 4, 2, 64, 64, nbits=4, token_scales=True)]
 KNOB_TYPES = {"block_t": int, "num_splits": int, "num_warps": int, "num_stages": int,
               "key_path": str, "precision": str}
 
@@ -125,7 +131,12 @@ def make_pq_cache(key, b, shape: HeadShape, t, copies, cb_dtype):
         bits = jax.random.bits(kk, (b, hkv, t, m), jnp.uint8)
         return bits if k == 256 else pack_codes(bits % jnp.uint8(k), shape.nbits)  # stored at real width
 
-    codes = [(rand_codes(ks[2 * c]), rand_codes(ks[2 * c + 1])) for c in range(copies)]
+    def rand_scales(kk):  # TurboQuant's per-token norms (bf16), or nothing
+        return jax.random.uniform(kk, (b, hkv, t), jnp.float32, 0.5, 2.0).astype(jnp.bfloat16)
+
+    codes = [(rand_codes(ks[2 * c]), rand_codes(ks[2 * c + 1]))
+             + ((rand_scales(jax.random.fold_in(ks[2 * c], 1)), rand_scales(jax.random.fold_in(ks[2 * c + 1], 1)))
+                if shape.token_scales else ()) for c in range(copies)]
     kcb = jax.random.normal(ks[-2], (1, m, k, d // m), jnp.float32).astype(cb_dtype)
     vcb = jax.random.normal(ks[-1], (1, m, k, d // m), jnp.float32).astype(cb_dtype)
     return codes, kcb, vcb
@@ -158,7 +169,7 @@ def bench_shape(args, shape: HeadShape, b: int, t: int, variants, copy_bw, devic
     q = jax.random.normal(key, (b, h, d), jnp.bfloat16)
     lengths = jnp.full((b,), t, jnp.int32)
     zeros = jnp.zeros((b,), jnp.int32)
-    pq_bytes = 2 * b * hkv * t * stored_width(m, shape.nbits)
+    pq_bytes = 2 * b * hkv * t * (stored_width(m, shape.nbits) + (2 if shape.token_scales else 0))
     dense_bytes = 2 * b * hkv * t * d * 2
     rows, times = [], {}
 
@@ -228,9 +239,11 @@ def rope_freqs(shape: HeadShape) -> jax.Array | None:
 
 
 def _pq_step(q, codes, *, kcb, vcb, start, end, knobs, interpret, rope_inv_freq=None):
-    kc, vc = codes
-    rope = {} if rope_inv_freq is None else dict(rope_inv_freq=rope_inv_freq)
-    out, _ = pq_decode_attention(q, kc, vc, kcb, vcb, start, end, interpret=interpret, **knobs, **rope)
+    kc, vc = codes[:2]
+    extra = {} if rope_inv_freq is None else dict(rope_inv_freq=rope_inv_freq)
+    if len(codes) == 4:  # TurboQuant: per-token key / value scales
+        extra.update(k_scales=codes[2], v_scales=codes[3])
+    out, _ = pq_decode_attention(q, kc, vc, kcb, vcb, start, end, interpret=interpret, **knobs, **extra)
     return _next_q(q, out)
 
 
@@ -240,17 +253,20 @@ def _pq_step(q, codes, *, kcb, vcb, start, end, knobs, interpret, rope_inv_freq=
 def correctness_checks(args, device) -> list[dict]:
     """Kernel vs reference on this device at a few shapes; rows with impl 'check:...'."""
     rows = []
-    cases = [  # (name, B, H, Hkv, d, M, nbits, T, G, codes packed)
+    cases = [  # (name, B, H, Hkv, d, M, nbits, T, G, codes packed[, per-token scales])
         ("gqa4-d128", 3, 32, 8, 128, 64, 8, 5000, 8, False),
         ("gqa3-d64", 2, 9, 3, 64, 32, 8, 777, 1, False),
         ("mha-nbits4", 2, 8, 8, 128, 32, 4, 1000, 1, False),
         ("gqa4-packed4", 2, 32, 8, 128, 64, 4, 3000, 8, True),
         ("gqa3-packed6", 3, 9, 3, 64, 32, 6, 777, 1, True),
         ("gqa4-packed12", 2, 32, 8, 128, 32, 12, 2000, 1, True),
+        ("tq4-d128", 3, 32, 8, 128, 128, 4, 3000, 1, True, True),
+        ("tq3-d256", 2, 4, 1, 256, 256, 3, 3000, 1, True, True),
     ]
     if args.tiny:
-        cases = [("tiny-gqa3", 2, 6, 2, 64, 32, 8, 70, 1, False), ("tiny-packed6", 2, 6, 2, 64, 32, 6, 70, 1, True)]
-    for name, b, h, hkv, d, m, nbits, t, g, packed in cases:
+        cases = [("tiny-gqa3", 2, 6, 2, 64, 32, 8, 70, 1, False), ("tiny-packed6", 2, 6, 2, 64, 32, 6, 70, 1, True),
+                 ("tiny-tq4", 2, 6, 2, 64, 64, 4, 70, 1, True, True)]
+    for name, b, h, hkv, d, m, nbits, t, g, packed, *scaled in cases:
         rng = np.random.default_rng(0)
         k = 2**nbits
         store = (lambda c: pack_codes(c, nbits)) if packed else (lambda c: c)  # noqa: E731
@@ -263,6 +279,9 @@ def correctness_checks(args, device) -> list[dict]:
             start=jnp.asarray([0, 3, 0][:b], jnp.int32),
             end=jnp.asarray([t, 4, t // 2 + 1][:b], jnp.int32),  # ragged, one length-1 row
         )
+        if scaled and scaled[0]:  # TurboQuant-style per-token norms
+            inputs.update(k_scales=jnp.asarray(rng.uniform(0.5, 2.0, (b, hkv, t)), jnp.bfloat16),
+                          v_scales=jnp.asarray(rng.uniform(0.5, 2.0, (b, hkv, t)), jnp.bfloat16))
         freqs = jnp.asarray(1.0 / 500000.0 ** (np.arange(m) / m), jnp.float32) if d == 2 * m else None
         paths = [(kp, None) for kp in ("centroid", "lut")] + ([("pre-rope", freqs)] if freqs is not None else [])
         for key_path, rope_inv_freq in paths:

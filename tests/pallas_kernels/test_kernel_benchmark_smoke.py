@@ -36,6 +36,7 @@ def test_gpu_attention_tiny_smoke(tmp_path) -> None:
     checks = [r for r in rows if r["impl"].startswith("check:")]
     assert checks and all(r["ok"] for r in checks)
     assert any(":pre-rope:" in r["impl"] for r in checks)
+    assert any(r["impl"].startswith("check:tiny-tq4:") for r in checks)  # TurboQuant codes + scales
     timed = {r["impl"]: r for r in rows if r["seconds"] is not None}
     assert {"pq", "pq[bt32]", "pq-pre", "pq-pre[bt32]", "bf16-xla"} <= set(timed)
     assert timed["pq-pre"]["key_rope"] == "pre" and timed["pq"]["key_rope"] == "post"
