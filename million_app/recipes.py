@@ -59,7 +59,8 @@ from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.quant.pq import check_nbits
 from models.decoder import rope_inv_freq
 
-__all__ = ["Recipe", "RECIPES", "BEST_FOR_BITS", "recipe_for_bits", "fit_recipe"]
+__all__ = ["Recipe", "RECIPES", "BEST_FOR_BITS", "PRECISE_SINKS", "FAMILY_PRECISE_SINKS", "adopted_precise_sinks",
+           "recipe_for_bits", "fit_recipe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,22 @@ BEST_FOR_BITS: dict[str, dict[int, str]] = {
 # higher precision"): at 2 b/elem 4 bf16 sinks take every-token-from-codes SmolLM2 from +36.7% /
 # +39.2% to +32.0% / +30.0%; at 4 b/elem (pq4-pre) they won on one seed and lost on the other.
 PRECISE_SINKS: dict[str, int] = {"pq2-r2-qa": 4}
+
+# model family -> exact first tokens at every --bits (taken over PRECISE_SINKS when larger). Gemma 3
+# 270M (benchmarks/results/frontier/gemma3/README.md, "4 precise sinks at every budget"): every
+# key/value of the global layers from codes, dense 12.421, mean of k-means seeds 0 / 1, 4 bf16 sinks
+# take pq4 from +10.7% to +0.4%, pq3 from +14.1% to +1.6%, pq2 from +29.7% to +7.1% (both seeds win
+# at every budget); they cost 12 KiB per sequence. The BOS / sink token's key is what Gemma's
+# codebooks reproduce worst.
+FAMILY_PRECISE_SINKS: dict[str, int] = {"gemma3": 4}
+
+
+def adopted_precise_sinks(recipe: Recipe | None, family: str) -> int:
+    """Exact first tokens ``calibrate --bits B`` records for ``recipe`` on a model of ``family``
+    (0 without a recipe: ``--M`` / ``--nbits`` fits record nothing)."""
+    if recipe is None:
+        return 0
+    return max(PRECISE_SINKS.get(recipe.name, 0), FAMILY_PRECISE_SINKS.get(family, 0))
 
 
 def recipe_for_bits(bits: int, key_rope: str = "pre") -> Recipe:

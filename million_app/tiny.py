@@ -1,4 +1,5 @@
-"""A tiny random LLaMA written as an HF checkpoint directory, for tests and quick trials.
+"""A tiny random decoder (LLaMA, or Gemma 3 with ``config=preset("tiny-gemma3")``) written as an HF
+checkpoint directory, for tests and quick trials.
 
 ``write_tiny_checkpoint(dir)`` writes ``config.json``, ``model.safetensors`` and a
 byte-level ``tokenizer.json`` (256 tokens, one per byte, no merges), so every command
@@ -13,6 +14,7 @@ import jax
 import numpy as np
 
 from models import LlamaConfig, init_params, preset
+from models.families import FAMILIES
 from models.hf_loader import hf_tensor_name
 
 _MATRICES = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
@@ -41,16 +43,21 @@ def write_tiny_checkpoint(path: str, *, config: LlamaConfig | None = None, seed:
         raise ValueError("the byte-level tokenizer needs vocab == 256")
     os.makedirs(path, exist_ok=True)
     params = jax.tree.map(np.asarray, init_params(config, jax.random.PRNGKey(seed), stddev=std))
+    family = config.family
+    offset = np.float32(FAMILIES[family].hf_norm_offset)  # HF stores w where we hold offset + w
+
+    def as_stored(key: str, w: np.ndarray) -> np.ndarray:
+        w = w.T if key in _MATRICES else w - offset if key.endswith("norm") else w
+        return np.ascontiguousarray(w, np.float32)
+
     tensors = {}
     for key, arr in params.items():
         if key == "layers":
             for lkey, stacked in arr.items():
                 for i in range(config.n_layers):
-                    w = stacked[i].T if lkey in _MATRICES else stacked[i]
-                    tensors[hf_tensor_name(lkey, i)] = np.ascontiguousarray(w, np.float32)
+                    tensors[hf_tensor_name(lkey, i, family)] = as_stored(lkey, stacked[i])
         else:
-            w = arr.T if key in _MATRICES else arr
-            tensors[hf_tensor_name(key, None)] = np.ascontiguousarray(w, np.float32)
+            tensors[hf_tensor_name(key, None, family)] = as_stored(key, arr)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config.to_hf_dict(), f, indent=1)

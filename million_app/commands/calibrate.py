@@ -13,7 +13,7 @@ from million_app.corpus import text_hash
 from million_app.errors import UsageError
 from million_app.flags import check_codebook_settings, check_positions, check_positive, load_text
 from million_app.loading import model_name, open_model, tokenize
-from million_app.recipes import PRECISE_SINKS, fit_recipe, recipe_for_bits
+from million_app.recipes import adopted_precise_sinks, fit_recipe, recipe_for_bits
 from million_app.report import check_writable, human_bytes
 from million_jax.quant.kv_codebooks import GRANULARITIES
 from million_jax.quant.pq import MAX_NBITS, MIN_NBITS
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                                queries=queries)
     precise_sinks = args.precise_sinks
     if precise_sinks is None:
-        precise_sinks = PRECISE_SINKS.get(recipe.name, 0) if recipe else 0
+        precise_sinks = adopted_precise_sinks(recipe, model.config.family)
     meta = codebook_metadata(model, books, calib_text=args.text, calib_text_hash=text_hash(text),
                              calib_tokens=used, calib_windows=windows,
                              seed=args.seed,

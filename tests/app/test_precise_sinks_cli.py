@@ -74,3 +74,22 @@ def test_calibrate_bits_records_the_adopted_sinks(cli, tiny_dir, tmp_path):
         assert res.rc == 0, res.err
         meta = load_codebooks(str(path))[1]
         assert meta["recipe"] == "pq2-r2-qa" and meta["precise_sinks"] == want
+
+
+def test_calibrate_bits_records_four_sinks_on_gemma3(cli, tmp_path):
+    """A Gemma 3 model records 4 precise sinks at every --bits (measured: its first token is what its
+    codebooks reproduce worst); --precise-sinks still overrides; a LLaMA at 4 b records none."""
+    from million_app.recipes import FAMILY_PRECISE_SINKS, PRECISE_SINKS, adopted_precise_sinks, recipe_for_bits
+    from million_app.tiny import write_tiny_checkpoint
+    from models import preset
+
+    gemma = write_tiny_checkpoint(str(tmp_path / "gemma"), config=preset("tiny-gemma3"))
+    for flags, want in (((), FAMILY_PRECISE_SINKS["gemma3"]), (("--precise-sinks", 1), 1)):
+        path = tmp_path / f"g4_{want}.safetensors"
+        res = cli("calibrate", "--model", gemma, "--text", "builtin:calib", "--tokens", "1024", "--window", "256",
+                  "--bits", "4", *flags, "--iters", "1", "--max-vectors", "512", "--out", path, "--quiet")
+        assert res.rc == 0, res.err
+        assert load_codebooks(str(path))[1]["precise_sinks"] == want
+    four = recipe_for_bits(4, "pre")
+    assert four.name not in PRECISE_SINKS and adopted_precise_sinks(four, "llama") == 0
+    assert adopted_precise_sinks(None, "gemma3") == 0
