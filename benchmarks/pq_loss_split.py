@@ -13,7 +13,12 @@ only for the part under test:
 * ``keys+values, S exact sinks`` (``--sinks``): both reconstructed except the first S rows of
   each window (exact), as ``eval --protocol realistic --sinks S --recent 0`` reads them;
   ``--sink-int8`` adds a row with those S rows rounded to 8-bit per-token integers (a bf16
-  scale and zero per row, as ``--cache uniform --uniform-mode token`` stores them) instead.
+  scale and zero per row, as ``--cache uniform --uniform-mode token`` stores them) instead,
+* ``--norm-explicit``: norm-explicit PQ with today's codebooks, i.e. each reconstruction rescaled
+  to the vector's own norm stored in bf16 beside the codes (``x_hat * |x| / |x_hat|``; RoPE keeps
+  norms, so pre-RoPE keys are rescaled alike): rows with keys and values rescaled and with keys
+  only (and, with ``--sinks``, both rescaled plus the S exact first rows). The norms cost 16 bits
+  per vector (+16 / d b/elem for each of keys and values).
 
 How: a dense float32 cache whose new rows are replaced, before they are stored and read, by
 their PQ reconstruction: decode(encode(x)), with the codebooks' transforms (query-aware keys:
@@ -84,8 +89,15 @@ def int8_rows(x: jax.Array) -> jax.Array:
     return dequantize_token_groups(*quantize_token_groups(x.astype(jnp.float32), 8, d, jnp.bfloat16))
 
 
+def with_norm_of(x: jax.Array, x_hat: jax.Array) -> jax.Array:
+    """x_hat float[..., d] rescaled to the norm of x (stored in bf16): norm-explicit PQ."""
+    norm = jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
+    norm = norm.astype(jnp.bfloat16).astype(jnp.float32)
+    return x_hat * (norm / jnp.maximum(jnp.linalg.norm(x_hat, axis=-1, keepdims=True), 1e-30))
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"],
-                   meta_fields=["quant_k", "quant_v", "sinks", "sink_int8"])
+                   meta_fields=["quant_k", "quant_v", "sinks", "sink_int8", "norm_k", "norm_v"])
 @dataclasses.dataclass(frozen=True)
 class ReconstructedLayer(DenseLayer):
     """A dense layer that stores (and reads) the PQ reconstruction of the chosen parts."""
@@ -94,11 +106,15 @@ class ReconstructedLayer(DenseLayer):
     quant_v: bool = True
     sinks: int = 0
     sink_int8: bool = False
+    norm_k: bool = False
+    norm_v: bool = False
 
     def attend(self, consts, q, k, v, lengths, n_new):
         t = q.shape[1]
         pos = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         k_hat, v_hat = pq_reconstruct(consts, k, v, pos)
+        k_hat = with_norm_of(k, k_hat) if self.norm_k else k_hat
+        v_hat = with_norm_of(v, v_hat) if self.norm_v else v_hat
         sink = (pos < self.sinks)[:, :, None, None]
         bf16 = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731 - as the cache's sinks
         k_s, v_s = (int8_rows(k), int8_rows(v)) if self.sink_int8 else (bf16(k), bf16(v))
@@ -135,6 +151,8 @@ def main() -> None:
                    help="comma list of keys+values, keys, values")
     p.add_argument("--sinks", type=int, default=0, help="also the keys+values row with S exact first rows")
     p.add_argument("--sink-int8", action="store_true", help="and with those S rows in 8-bit per-token integers")
+    p.add_argument("--norm-explicit", action="store_true",
+                   help="also rows with the reconstructions rescaled to each vector's bf16 norm")
     p.add_argument("--json", required=True)
     a = p.parse_args()
     model = open_model("smollm2")
@@ -148,6 +166,12 @@ def main() -> None:
         variants.append((f"keys+values, {a.sinks} exact sinks", dict(sinks=a.sinks)))
         if a.sink_int8:
             variants.append((f"keys+values, {a.sinks} int8 sinks", dict(sinks=a.sinks, sink_int8=True)))
+    if a.norm_explicit:
+        variants.append(("keys+values, exact bf16 norms", dict(norm_k=True, norm_v=True)))
+        variants.append(("keys+values, exact bf16 key norms", dict(norm_k=True)))
+        if a.sinks:
+            variants.append((f"keys+values, {a.sinks} exact sinks, exact bf16 norms",
+                             dict(sinks=a.sinks, norm_k=True, norm_v=True)))
     out = {"command": "PYTHONPATH=. python benchmarks/pq_loss_split.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
         for k, v in vars(a).items() if v not in (None, False)), "codebooks": a.codebooks,
