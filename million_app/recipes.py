@@ -17,6 +17,10 @@ A recipe is what ``million-jax calibrate --bits B`` fits without the user choosi
                               RoPE, one sub-space per RoPE pair (key_dsub 2, no query-aware keys,
                               no fine-tuning), rotated inside attention; fitted on keys collected
                               with ``key_rope="pre"`` (``million_app.calibrate.calibration_kvq``)
+    norms                     True: norm-explicit PQ, the same k-means codebooks plus one bf16
+                              scale |x| / |x_hat| per token beside the key and the value codes
+                              (:mod:`million_jax.quant.kv_codebooks`; 16 / head_dim more bits per
+                              element each, not counted in ``bits_per_element``)
 
 Stored bits per element (keys and values together) = stages * (key_nbits / key_dsub +
 value_nbits / value_dsub) / 2. ``BEST_FOR_BITS`` holds, per budget, the recipe that measured
@@ -76,6 +80,7 @@ class Recipe:
     finetune_reassign: int = 0
     stages: int = 1
     rope: str = "post"
+    norms: bool = False
 
     def __post_init__(self) -> None:
         def fail(what: str) -> None:
@@ -85,6 +90,10 @@ class Recipe:
             fail(f"name must be a non-empty string, got {self.name!r}")
         if self.rope not in ("pre", "post"):
             fail(f"rope must be 'pre' or 'post', got {self.rope!r}")
+        if not isinstance(self.norms, bool):
+            fail(f"norms must be a bool, got {self.norms!r}")
+        if self.norms and self.finetune_steps:
+            fail("fine-tuning does not know about explicit norms: a recipe takes one or the other")
         for field, low in (("key_dsub", 1), ("value_dsub", 1), ("stages", 1), ("key_nbits", 1), ("value_nbits", 1),
                            ("finetune_steps", 0), ("finetune_reassign", 0)):
             x = getattr(self, field)
@@ -105,7 +114,12 @@ class Recipe:
 
     @property
     def bits_per_element(self) -> float:
+        """Bits of the codes per element (norm-explicit recipes store 16 / head_dim more: ``stored_bits``)."""
         return self.stages * (self.key_nbits / self.key_dsub + self.value_nbits / self.value_dsub) / 2
+
+    def stored_bits(self, head_dim: int) -> float:
+        """Bits stored per element for ``head_dim``: the codes and the bf16 norm scales."""
+        return self.bits_per_element + (16 / head_dim if self.norms else 0.0)
 
     def describe(self) -> str:
         """One readable line: 'keys 2-dim sub-vectors x 8 bits, query-aware; values ...; 4.00 bits/elem'."""
@@ -120,7 +134,9 @@ class Recipe:
             text += f"; {self.stages} residual stages"
         if self.finetune_steps:
             text += f"; centroids fine-tuned {self.finetune_steps} steps"
-        return f"{text} ({self.bits_per_element:.2f} bits/elem)"
+        if self.norms:
+            text += "; a bf16 norm scale per key and value (+16 bits per vector)"
+        return f"{text} ({self.bits_per_element:.2f} bits/elem{' of codes' if self.norms else ''})"
 
     def budgets(self, head_dim: int) -> dict[str, int]:
         """key / value M (per stage) and nbits for this head_dim (UsageError if a dsub does not divide it)."""
@@ -160,6 +176,10 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq2-pre", 2, 4, 4, 8, rope="pre"),
     Recipe("pq2-pre-ow", 2, 4, 4, 8, output_aware=True, rope="pre"),
     Recipe("pq2-pre-kv4", 2, 4, 2, 4, rope="pre"),  # one M for keys and values: the kernel can read it
+    # norm-explicit: the recipe's codebooks plus a bf16 norm scale per key / value vector
+    Recipe("pq4-pre-n", 2, 8, 2, 8, rope="pre", norms=True),
+    Recipe("pq3-pre-n", 2, 6, 2, 6, rope="pre", norms=True),
+    Recipe("pq2-r2-qa-n", 8, 8, 8, 8, query_aware=True, stages=2, norms=True),
 )}
 
 # key_rope -> bits per element -> recipe name, the measured best per budget (module docstring,
@@ -256,6 +276,8 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
                                      key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
                                      key_transform=kt, value_transform=vt, stages=recipe.stages,
                                      rope_inv_freq=inv_freq, progress=report)
+        if recipe.norms:
+            books = books.with_explicit_norms(True, True)
         if ft is None:
             return books
         q, q_pos, window = queries

@@ -161,6 +161,7 @@ LEAF_AXES: dict[str, LogicalAxes | dict[int, LogicalAxes]] = {
     **{name: _CACHE_5D for name in (
         "k", "v",                                        # DenseCache
         "k_codes", "v_codes", "sink_k", "sink_v", "ring_k", "ring_v",   # PQCache
+        "k_scales", "v_scales",                                         # PQCache, norm-explicit
         "k_scale", "k_zero", "k_stage", "v_scale", "v_zero",            # UniformCache
         "k_norms", "v_norms", "k_qjl", "k_rnorms",                      # TurboQuantCache
     )},

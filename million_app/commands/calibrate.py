@@ -51,6 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="record N exact first tokens per sequence in the file: `eval`/`generate` keep them "
                         "in the cache dtype under both protocols (a fixed cost per sequence, not per token); "
                         "default: the measured choice of --bits, else 0")
+    p.add_argument("--norms", choices=("adopted", "on", "off"), default="adopted",
+                   help="norm-explicit PQ: a bf16 scale |x| / |x_hat| per key and value vector stored beside its "
+                        "codes (+16 bits per vector; 'adopted': where --bits measured a win, else off)")
     p.add_argument("--out", required=True, help=f"output .safetensors file ({KEPT})")
     force_arg(p, "--out")
     return p
@@ -118,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
             books = fit_recipe(recipe, model, k, v, gram, count, granularity=args.granularity,
                                seed=args.seed, iters=args.iters, max_vectors=args.max_vectors,
                                queries=queries)
+    if args.norms != "adopted":
+        books = books.with_explicit_norms(args.norms == "on", args.norms == "on")
     precise_sinks = args.precise_sinks
     if precise_sinks is None:
         precise_sinks = adopted_precise_sinks(recipe, model.config.family)

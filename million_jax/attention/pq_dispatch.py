@@ -163,6 +163,8 @@ def pq_code_attention(
     scale: float | None = None,
     rope_inv_freq: jax.Array | None = None,
     check_codes: bool = True,
+    k_scales: ArrayOrSlice | None = None,
+    v_scales: ArrayOrSlice | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of q float[B, T, H, d] over codes uint[B, Hkv, N, M] for lo <= s < hi.
 
@@ -175,18 +177,23 @@ def pq_code_attention(
     scale: score scale (default 1 / sqrt(d)).
     rope_inv_freq: float32[M] or None: keys quantized before RoPE (sub-space m = RoPE pair m,
       code row s = absolute position s; :func:`million_jax.attention.pq_xla.pq_attention_xla`).
+    k_scales, v_scales: float[B, Hkv, N, 1] (arrays or LayerSlices) or None: per-token factors of
+      each stored key's score / value (norm-explicit PQ); the kernel takes them as its per-token scales.
     Returns (out f32[B, T, H, d], lse f32[B, T, H]), 0 / -inf for a query that sees nothing.
     """
     if check_codes:
         check_code_fit(q.shape[-1], k_codes, v_codes, k_books, v_books)
-    plan = kernel_plan(impl, q, k_codes, v_codes, k_books, v_books, mesh, rope=rope_inv_freq is not None)
+    shapes = [None if x is None else jax.ShapeDtypeStruct(tuple(x.shape[:-1]), x.dtype) for x in (k_scales, v_scales)]
+    plan = kernel_plan(impl, q, k_codes, v_codes, k_books, v_books, mesh, rope=rope_inv_freq is not None,
+                       k_scales=shapes[0], v_scales=shapes[1])
     if plan is not None:
         k_codes, v_codes = as_array(k_codes), as_array(v_codes)
+        ks, vs = (None if x is None else as_array(x)[..., 0] for x in (k_scales, v_scales))
         out, lse = _kernel(plan, q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0],
-                           jnp.maximum(hi[:, 0], lo[:, 0]), mesh, scale, rope_inv_freq)
+                           jnp.maximum(hi[:, 0], lo[:, 0]), mesh, scale, rope_inv_freq, k_scales=ks, v_scales=vs)
         return out[:, None], lse[:, None]
     return pq_attention_xla(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale, rope_inv_freq=rope_inv_freq,
-                            check_codes=False)
+                            check_codes=False, k_scales=k_scales, v_scales=v_scales)
 
 
 def turboquant_code_attention(

@@ -25,6 +25,8 @@ Shapes (one layer):
                   already). With the LUT: two tables (q.c, q.Jc) and
                   score = sum_m cos LUT + sin LUTJ; with the matmul: the tile's decoded keys
                   rotated (`pallas_kernels.pq_math`, exact fixed-point angles).
+    k_scales, v_scales: float[B, Hkv, N, 1] or None: a per-token factor of each stored key's
+                  score / value (norm-explicit PQ, :mod:`million_jax.quant.kv_codebooks`).
 Returns (out float32[B, T, H, d], lse float32[B, T, H]); 0 / -inf when a query sees no token.
 """
 from __future__ import annotations
@@ -88,6 +90,8 @@ def pq_attention_xla(
     tile: int = 512,
     rope_inv_freq: jax.Array | None = None,
     check_codes: bool = True,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of q over tokens stored as PQ codes (see module docstring).
 
@@ -123,8 +127,21 @@ def pq_attention_xla(
         keys = rotate_pairs(gather_centroids(k_centroids, kc_tile), cos, sin)
         return einsum_f32("bkgtd,bksd->bkgts", qg, keys)
 
+    scaled = [x for x in (k_scales, v_scales) if x is not None]
+    for x in scaled:
+        if tuple(x.shape) != (b, hkv, n, 1):
+            raise ValueError(f"per-token scales must be float[B, Hkv, N, 1] = {[b, hkv, n, 1]}, got {list(x.shape)}")
+
     def tile_fn(parts, rows, start):
         kc_tile, vc_tile = unpack_k(parts[0]), unpack_v(parts[1])
-        return key_scores(kc_tile, rows, start) * scale, gather_centroids(v_centroids, vc_tile)
+        extra = iter(parts[2:])
+        scores = key_scores(kc_tile, rows, start) * scale
+        values = gather_centroids(v_centroids, vc_tile)
+        if k_scales is not None:  # [B, Hkv, rows, 1] -> one factor per token's score
+            scores = scores * next(extra)[..., 0].astype(jnp.float32)[:, :, None, None, :]
+        if v_scales is not None:
+            values = values * next(extra).astype(jnp.float32)
+        return scores, values
 
-    return tiled_attention((b, hkv, grp, t), d, tile, lo, hi, [(k_codes, 1), (v_codes, 1)], tile_fn)
+    arrays = [(k_codes, 1), (v_codes, 1)] + [(x, 1) for x in scaled]
+    return tiled_attention((b, hkv, grp, t), d, tile, lo, hi, arrays, tile_fn)

@@ -107,6 +107,8 @@ class LayerState(abc.ABC):
         fields = {}
         for f in dataclasses.fields(self):
             val = getattr(self, f.name)
+            if val is None:  # an optional field this state does not have
+                continue
             if f.name in self.TOKEN_FIELDS:
                 fields[f.name] = LayerSlice(val, index)
             elif isinstance(val, jax.Array):

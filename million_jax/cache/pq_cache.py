@@ -8,6 +8,9 @@ State (``PQLayer``, stacked over layers; a registered dataclass pytree donated a
                        :mod:`pallas_kernels.code_packing`)
     sink_k, sink_v:    float[L, B, Hkv, S, d]              first S tokens, exact
     ring_k, ring_v:    float[L, B, Hkv, W, d]              last W tokens, exact (slot = pos % W)
+    k_scales, v_scales: bfloat16[L, B, Hkv, T_max, 1] or None  norm-explicit codebooks only
+                       (``PQCodebooks.key_norms`` / ``value_norms``): |x| / |x_hat| per token,
+                       multiplying its score / value wherever codes are read
     lengths:           int32[B]                            (on the PQCache)
 
 Codebooks are NOT part of the state: they are a separate, constant
@@ -66,19 +69,21 @@ from pallas_kernels.pq_math import gather_centroids
 from pallas_kernels.pq_math import rope_cos_sin as code_rope_cos_sin
 from pallas_kernels.softmax import merge_partials
 
-__all__ = ["PQCache", "PQLayer"]
+__all__ = ["PQCache", "PQLayer", "NORM_SCALE_DTYPE", "norm_scales"]
+
+NORM_SCALE_DTYPE = jnp.bfloat16  # 16 bits: kv_codebooks.NORM_SCALE_BITS
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["k_codes", "v_codes", "sink_k", "sink_v", "ring_k", "ring_v"],
+    data_fields=["k_codes", "v_codes", "sink_k", "sink_v", "ring_k", "ring_v", "k_scales", "v_scales"],
     meta_fields=["quantize_all", "impl", "mesh", "budgets"],
 )
 @dataclasses.dataclass(frozen=True)
 class PQLayer(ExactWindowLayer):
     """One layer of a PQCache (module docstring; per layer the leading L axis is absent)."""
 
-    TOKEN_FIELDS = ("k_codes", "v_codes")
+    TOKEN_FIELDS = ("k_codes", "v_codes", "k_scales", "v_scales")
 
     k_codes: jax.Array
     v_codes: jax.Array
@@ -86,6 +91,8 @@ class PQLayer(ExactWindowLayer):
     sink_v: jax.Array
     ring_k: jax.Array
     ring_v: jax.Array
+    k_scales: jax.Array | None = None  # norm-explicit keys only
+    v_scales: jax.Array | None = None  # norm-explicit values only
     quantize_all: bool = False
     impl: str = "auto"
     mesh: KernelMesh | None = None
@@ -106,6 +113,12 @@ class PQLayer(ExactWindowLayer):
             if codes.dtype != want:
                 raise ValueError(f"{name} codebooks (M={m}, nbits={nb}) do not match the cache "
                                  f"(codes {codes.dtype}[..., {width}])")
+        for name, want, scales in (("key", consts.key_norms, self.k_scales), ("value", consts.value_norms,
+                                                                             self.v_scales)):
+            if want != (scales is not None):
+                raise ValueError(f"the codebooks {'store' if want else 'have no'} explicit {name} norms but the "
+                                 f"cache {'has no' if want else 'holds'} {name[0]}_scales: make the cache with "
+                                 "PQCache.for_codebooks(codebooks, ...)")
         return consts
 
     def attend(self, consts: PQCodebooks, q, k, v, lengths, n_new) -> tuple[jax.Array, Writes]:
@@ -136,12 +149,24 @@ class PQLayer(ExactWindowLayer):
         qc = tile_query(qc, stages)  # residual codes read as plain PQ (million_jax.quant.residual_pq)
         stored = pq_code_attention(qc, self.k_codes, self.v_codes, kcb, vcb, lo, jnp.minimum(hi, lengths[:, None]),
                                    impl=self.impl, mesh=self.mesh, scale=scale, rope_inv_freq=freqs,
-                                   check_codes=False)  # checked once, in layer_consts
+                                   check_codes=False,  # checked once, in layer_consts
+                                   k_scales=self.k_scales, v_scales=self.v_scales)
         new_k = gather_centroids(kcb, new_kc)  # [B, Hkv, T, S * d]
+        new_v = gather_centroids(vcb, new_vc)
+        scale_writes: Writes = {}
+        if consts.key_norms:  # A^-1 = (A^-T)^T maps a decoded key back to the model's space
+            inv = None if consts.query_transform is None else jnp.swapaxes(consts.query_transform, -1, -2)
+            ks = norm_scales(k_enc, new_k, inv, stages)  # [B, T, Hkv, 1]
+            new_k = new_k * jnp.swapaxes(ks, 1, 2).astype(jnp.float32)
+            scale_writes["k_scales"] = (rows, ks)
+        if consts.value_norms:
+            vs = norm_scales(v, new_v, consts.output_transform, stages)
+            new_v = new_v * jnp.swapaxes(vs, 1, 2).astype(jnp.float32)
+            scale_writes["v_scales"] = (rows, vs)
         if freqs is not None:  # the new tokens' decoded keys turned to their own positions,
             cos, sin = code_rope_cos_sin(pos, freqs)  # [B, T, S * M], with the angles the code paths use
             new_k = rope.rotate_pair_layout(new_k, cos[:, None], sin[:, None])
-        fresh = tiled_dense_attention(qc, new_k, gather_centroids(vcb, new_vc),
+        fresh = tiled_dense_attention(qc, new_k, new_v,
                                       jnp.maximum(lo - lengths[:, None], 0), jnp.clip(hi - lengths[:, None], 0, t),
                                       scale=scale, return_lse=True)
         out, lse = merge_partials(*zip(stored, fresh))
@@ -153,7 +178,7 @@ class PQLayer(ExactWindowLayer):
             out, _ = merge_partials([out, out_e], [lse, lse_e])
         writes = {"k_codes": (rows, _stored_codes(new_kc, consts.key, self.k_codes.shape[-1])),
                   "v_codes": (rows, _stored_codes(new_vc, consts.value, self.v_codes.shape[-1])),
-                  **self.write_exact(k, v, lengths, n_new)}
+                  **scale_writes, **self.write_exact(k, v, lengths, n_new)}
         return out.astype(q.dtype), writes
 
 
@@ -162,6 +187,22 @@ def _encode(books: Codebooks, x: jax.Array, transform: jax.Array | None, stages:
     if transform is not None:
         x = apply_head_transform(x, transform)
     return encode_stages(Codebooks(books.centroids), jnp.swapaxes(x, 1, 2), stages)
+
+
+def norm_scales(x: jax.Array, decoded: jax.Array, inverse: jax.Array | None, stages: int) -> jax.Array:
+    """Norm-explicit PQ: |x| / |x_hat| per vector, bfloat16[B, T, Hkv, 1] (1 where x_hat is 0).
+
+    x float[B, T, Hkv, d] as encoded (before any transform); decoded float32[B, Hkv, T, S * d] the
+    gathered codes of its S stages (transformed space); inverse: the transform's inverse
+    float[Gt, d, d] or None. Both norms are taken in the model's space.
+    """
+    b, hkv, t, _ = decoded.shape
+    rec = jnp.swapaxes(decoded.reshape(b, hkv, t, stages, -1).sum(axis=3), 1, 2)  # [B, T, Hkv, d]
+    if inverse is not None:
+        rec = apply_head_transform(rec, inverse)
+    num = jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
+    den = jnp.linalg.norm(rec, axis=-1, keepdims=True)
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0).astype(NORM_SCALE_DTYPE)
 
 
 def _stored_codes(codes: jax.Array, books: Codebooks, width: int) -> jax.Array:
@@ -182,16 +223,21 @@ class PQCache(ExactWindowCache):
     def bits_per_element(self) -> KVBits:
         """Bits the stored codes take per key / value element: 8 * the code array's bytes per
         token / d (codes packed at their real width: ceil(M * nbits / 8) bytes; unpacked: M
-        uint8 / uint16). The codebooks are constants, not counted (``PQCodebooks.nbytes``)."""
-        d = self.head_dim
-        return KVBits(*(8.0 * x.shape[-1] * jnp.dtype(x.dtype).itemsize / d
-                        for x in (self.layers.k_codes, self.layers.v_codes)))
+        uint8 / uint16), plus the bf16 norm scale of norm-explicit codebooks. The codebooks are
+        constants, not counted (``PQCodebooks.nbytes``)."""
+        d, lay = self.head_dim, self.layers
+
+        def per_token(*xs):
+            return sum(8.0 * x.shape[-1] * jnp.dtype(x.dtype).itemsize for x in xs if x is not None) / d
+
+        return KVBits(per_token(lay.k_codes, lay.k_scales), per_token(lay.v_codes, lay.v_scales))
 
     @classmethod
     def create(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, *,
                M: int, nbits: int, window: int = 0, sinks: int = 0, dtype: Any = jnp.bfloat16,
                quantize_all: bool = False, impl: str = "auto", value_M: int | None = None,
-               value_nbits: int | None = None, pack: bool = True, stages: int = 1) -> "PQCache":
+               value_nbits: int | None = None, pack: bool = True, stages: int = 1, key_norms: bool = False,
+               value_norms: bool = False) -> "PQCache":
         """An empty cache; ``window`` (W) and ``sinks`` (S) may be 0.
 
         M / nbits are the keys' budget; value_M / value_nbits the values' (default: the keys').
@@ -200,6 +246,7 @@ class PQCache(ExactWindowCache):
         ``pack`` (default True): codes of nbits other than 8 stored packed at their real width
         (uint8[..., ceil(M * nbits / 8)]); False: one per uint8 (nbits < 8) / uint16 (nbits > 8).
         Every attention path, the Pallas kernel included, reads both layouts.
+        ``key_norms`` / ``value_norms``: room for the per-token norm scales of norm-explicit codebooks.
         """
         check_cache_args(dict(zip(CACHE_DIMS, (num_layers, batch, num_kv_heads, max_len, head_dim))), dtype,
                          window, sinks)
@@ -218,7 +265,9 @@ class PQCache(ExactWindowCache):
             return jnp.zeros(lead + (width,), jnp.uint8 if width != m else code_dtype(nb))
 
         # distinct buffers for every field: a donated pytree must not hold one buffer twice
+        scales = lambda on: jnp.zeros(lead + (1,), NORM_SCALE_DTYPE) if on else None  # noqa: E731
         layers = PQLayer(k_codes=codes(M, nbits), v_codes=codes(value_M, value_nbits), quantize_all=quantize_all,
+                         k_scales=scales(key_norms), v_scales=scales(value_norms),
                          impl=impl, budgets=(M, nbits, value_M, value_nbits, stages), **empty_window((num_layers, batch, num_kv_heads), sinks, window, head_dim, dtype))
         return cls(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
 
@@ -228,7 +277,8 @@ class PQCache(ExactWindowCache):
         codebooks.check(codebooks.num_layers, num_kv_heads, codebooks.head_dim)
         return cls.create(codebooks.num_layers, batch, num_kv_heads, max_len, codebooks.head_dim,
                           M=codebooks.key_M, nbits=codebooks.key_nbits, value_M=codebooks.value_M,
-                          value_nbits=codebooks.value_nbits, stages=codebooks.stages, **kw)
+                          value_nbits=codebooks.value_nbits, stages=codebooks.stages, key_norms=codebooks.key_norms,
+                          value_norms=codebooks.value_norms, **kw)
 
     def layer_consts(self, cache_consts: PQCodebooks | None = None) -> PQCodebooks:
         """The codebooks, checked against this cache (they are scanned with the layers).

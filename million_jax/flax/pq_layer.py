@@ -59,6 +59,8 @@ def select_layer(books: PQCodebooks, layer: int) -> tuple[jax.Array, jax.Array]:
     extras = [name for name in ("key_transform", "value_transform") if getattr(books, name) is not None]
     if books.stages > 1:
         extras.append(f"{books.stages} residual stages")
+    if books.key_norms or books.value_norms:
+        extras.append("explicit per-token norms")
     if books.key_rope == "pre":
         # flax's attention layers apply no RoPE: keys of such a model are not rotated, and
         # codebooks of keys before RoPE would rotate their reconstructions by position

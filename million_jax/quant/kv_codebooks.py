@@ -28,6 +28,13 @@ were quantized *before* RoPE (:mod:`million_jax.rope`), in RoPE-pair layout, one
 dsub = 2 per pair (key M = S * d/2); attention rotates each code row t by t * inv_freq.
 Build them with :meth:`PQCodebooks.with_pre_rope_keys`. A key transform does not commute with
 the rotation and is refused with pre-RoPE keys; residual stages do (the rotation is linear).
+
+``key_norms`` / ``value_norms`` (static bools; norm-explicit PQ): the cache stores, beside each
+token's codes, one bf16 scale ``|x| / |x_hat|`` (the vector's norm over its reconstruction's, both
+in the model's key / value space: after the inverse transform and the sum of the stages; RoPE
+keeps norms), and every attention path multiplies the token's score (keys) or value by it, so
+each reconstruction has the norm of the vector it codes. 16 more bits per token and head each.
+Build them with :meth:`PQCodebooks.with_explicit_norms`.
 """
 from __future__ import annotations
 
@@ -42,9 +49,10 @@ from million_jax.quant.kv_transforms import check_transform, inverse, inverse_tr
 from million_jax.quant.pq import Codebooks
 from million_jax.quant.residual_pq import check_stages
 
-__all__ = ["PQCodebooks", "GRANULARITIES", "check_pre_rope_keys"]
+__all__ = ["PQCodebooks", "GRANULARITIES", "NORM_SCALE_BITS", "check_pre_rope_keys"]
 
 GRANULARITIES = ("shared", "layer", "layer_head")
+NORM_SCALE_BITS = 16  # an explicit norm scale is stored as one bf16 per token and head
 
 
 def check_pre_rope_keys(head_dim: int, key_M: int, has_key_transform: bool) -> None:
@@ -85,7 +93,7 @@ _TRANSFORMS = ("key_transform", "query_transform", "value_transform", "output_tr
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value", *_TRANSFORMS],
-                   meta_fields=["granularity", "stages", "rope_inv_freq"])
+                   meta_fields=["granularity", "stages", "rope_inv_freq", "key_norms", "value_norms"])
 @dataclasses.dataclass(frozen=True)
 class PQCodebooks:
     """key / value: Codebooks with centroids float32[L, G, S * M, K, dsub] ([G, S * M, K, dsub] per
@@ -101,6 +109,8 @@ class PQCodebooks:
     output_transform: jax.Array | None = None
     stages: int = 1
     rope_inv_freq: tuple[float, ...] | None = None  # static: the model's d/2 RoPE frequencies
+    key_norms: bool = False  # static: a per-token norm scale stored beside the key codes
+    value_norms: bool = False  # ... and beside the value codes
 
     @classmethod
     def from_centroids(cls, key, value, granularity: str = "layer_head", num_layers: int | None = None,
@@ -153,6 +163,14 @@ class PQCodebooks:
             raise ValueError(f"rope_inv_freq must be finite positive float[{d // 2}] (head_dim {d} / 2), "
                              f"got shape {list(inv.shape)}")
         return dataclasses.replace(self, rope_inv_freq=tuple(float(x) for x in inv))
+
+    def with_explicit_norms(self, keys: bool = True, values: bool = True) -> "PQCodebooks":
+        """These codebooks with (or without) a per-token norm scale stored beside the key / value
+        codes (norm-explicit PQ, module docstring)."""
+        for name, x in (("keys", keys), ("values", values)):
+            if not isinstance(x, (bool, np.bool_)):
+                raise ValueError(f"with_explicit_norms: {name} must be a bool, got {x!r}")
+        return dataclasses.replace(self, key_norms=bool(keys), value_norms=bool(values))
 
     def check_rope(self, rope_inv_freq) -> None:
         """ValueError unless these codebooks can serve a model whose RoPE frequencies are
@@ -229,8 +247,10 @@ class PQCodebooks:
 
     @property
     def bits_per_element(self) -> float:
-        """Bits of information per key/value element, keys and values together."""
-        return (self.key_M * self.key_nbits + self.value_M * self.value_nbits) / (2 * self.head_dim)
+        """Bits stored per key/value element, keys and values together: the codes, plus 16 per
+        token and head for each explicit bf16 norm scale."""
+        norms = NORM_SCALE_BITS * (int(self.key_norms) + int(self.value_norms))
+        return (self.key_M * self.key_nbits + self.value_M * self.value_nbits + norms) / (2 * self.head_dim)
 
     @property
     def recipe(self) -> str:
@@ -244,6 +264,8 @@ class PQCodebooks:
             name += f" r{self.stages}"
         if self.rope_inv_freq is not None:
             name += " pre"
+        if self.key_norms or self.value_norms:
+            name += " n" + "k" * self.key_norms + "v" * self.value_norms
         return name
 
     @property

@@ -34,6 +34,8 @@ CASES = [
     ("pq", dict(M=8, nbits=12, window=3)),                               # packed 12-bit: 12 bytes
     ("pq", dict(M=8, nbits=12, pack=False)),                             # one uint16 per code
     ("pq", dict(M=4, nbits=3, stages=2, sinks=1)),                       # residual: 8 codes, 3 bytes
+    ("pq", dict(M=8, nbits=4, key_norms=True, value_norms=True)),        # norm-explicit: + 2 bytes each
+    ("pq", dict(M=8, nbits=8, value_norms=True)),
     ("uniform", dict(bits=4, group_size=8, window=4, sinks=2)),
     ("uniform", dict(bits=2, group_size=4, dtype=jnp.float32)),
     ("uniform", dict(bits=8, mode="token")),
@@ -41,10 +43,11 @@ CASES = [
 
 
 def _token_bytes(cache) -> int:
-    """Bytes of the fields with a token axis (codes and their per-token statistics)."""
+    """Bytes of the fields with a token axis (codes and their per-token statistics; optional ones
+    the cache does not have are None)."""
     lay = cache.layers
-    return sum(int(np.prod(getattr(lay, f).shape)) * jnp.dtype(getattr(lay, f).dtype).itemsize
-               for f in lay.TOKEN_FIELDS)
+    arrays = [getattr(lay, f) for f in lay.TOKEN_FIELDS if getattr(lay, f) is not None]
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in arrays)
 
 
 @pytest.mark.parametrize("kind, kw", CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CASES)])
