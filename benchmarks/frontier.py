@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import re
 import json
 import os
 import shlex
@@ -65,9 +66,11 @@ def rows(protocol: str, books_dir: str, qjl: bool = True) -> list[tuple[str, lis
         out.append(("dense", ["--cache", "dense"]))
     extra = ["--protocol", protocol] + (["--sinks", "4", "--recent", "64"] if protocol == "realistic" else [])
     for b in PQ_BITS:
-        for s in SEEDS:
-            out.append((f"pq{b}_s{s}", ["--cache", "pq", "--codebooks", os.path.join(books_dir, f"pq{b}_s{s}.safetensors")]
-                        + extra))
+        for variant in ("", "n"):  # "n": norm-explicit codebooks, pq{B}n_s{S}.safetensors (skipped when absent)
+            for s in SEEDS:
+                name = f"pq{b}{variant}_s{s}"
+                out.append((name, ["--cache", "pq", "--codebooks", os.path.join(books_dir, f"{name}.safetensors")]
+                            + extra))
     for b in TURBO:
         out.append((f"turboquant{b:g}", ["--cache", "turboquant", "--bits", f"{b:g}"] + extra))
     for b in TURBO_QJL if qjl else []:
@@ -141,6 +144,8 @@ def run(args) -> None:
 
 
 def family(name: str) -> str:
+    if re.match(r"pq\d+n_", name):
+        return "pq+norms"
     for f in ("dense", "pq", "turboquant", "kivi"):
         if name.startswith(f):
             return f + ("+qjl" if name.endswith("_qjl") else "")
@@ -177,7 +182,7 @@ def plot(res, dense, path, preset=None) -> None:
     preset = preset or model_preset("smollm2")
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=False)
-    style = {"pq": ("tab:blue", "o"), "turboquant": ("tab:orange", "s"), "turboquant+qjl": ("tab:red", "x"),
+    style = {"pq": ("tab:blue", "o"), "pq+norms": ("tab:purple", "D"), "turboquant": ("tab:orange", "s"), "turboquant+qjl": ("tab:red", "x"),
              "kivi": ("tab:green", "^")}
     for ax, protocol in zip(axes, ("all", "realistic")):
         for fam, (color, marker) in style.items():
@@ -185,14 +190,15 @@ def plot(res, dense, path, preset=None) -> None:
                          if p == protocol and family(n) == fam)
             if not pts:
                 continue
-            if fam == "pq":  # mean of the seeds per budget, seeds as points
+            if fam in ("pq", "pq+norms"):  # mean of the seeds per budget, seeds as points
                 by = {}
                 for b, y, _ in pts:
                     by.setdefault(b, []).append(y)
                 ax.scatter([b for b, _, _ in pts], [y for _, y, _ in pts], color=color, marker=marker, alpha=0.4)
                 xs = sorted(by)
-                ax.plot(xs, [sum(by[x]) / len(by[x]) for x in xs], color=color, marker=marker,
-                        label="pq (calibrate --bits B; mean of 2 seeds)")
+                label = ("pq (calibrate --bits B; mean of 2 seeds)" if fam == "pq" else
+                         "pq norm-explicit (a bf16 norm per vector; calibrate --bits 2 adopts it)")
+                ax.plot(xs, [sum(by[x]) / len(by[x]) for x in xs], color=color, marker=marker, label=label)
             elif fam == "kivi":
                 ax.scatter([b for b, _, _ in pts], [y for _, y, _ in pts], color=color, marker=marker, label="KIVI")
                 for b, y, n in pts:

@@ -100,7 +100,8 @@ def label(spec: CacheSpec) -> str:
         if b is None:
             return "pq"
         sinks = f" +{spec.precise_sinks} {dtype_name(spec)} sinks" if spec.precise_sinks else ""
-        if b.same_budget and b.key_transform is None and b.value_transform is None and b.stages == 1:
+        if (b.same_budget and b.key_transform is None and b.value_transform is None and b.stages == 1
+                and not (b.key_norms or b.value_norms)):
             return f"pq M={b.key_M} nbits={b.key_nbits} {b.granularity}{sinks}"
         return f"pq {b.recipe} {b.granularity}{sinks}"
     if spec.kind == "turboquant":

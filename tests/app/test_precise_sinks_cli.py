@@ -63,17 +63,21 @@ def test_precise_sinks_refused_off_pq(cli, tiny_dir, tmp_path):
     assert res.rc != 0 and "--precise-sinks must be >= 0" in res.err
 
 
-def test_calibrate_bits_records_the_adopted_sinks(cli, tiny_dir, tmp_path):
-    """--bits 2 (pq2-r2-qa) records the measured 4 precise sinks; --precise-sinks overrides it."""
-    from million_app.recipes import PRECISE_SINKS
+def test_calibrate_bits_records_the_adopted_sinks(cli, tiny_dir, tmp_path, monkeypatch):
+    """--bits 2 records the precise sinks measured for its recipe (PRECISE_SINKS: 4 for pq2-r2-qa,
+    none for today's pq2-r2-qa-n); --precise-sinks overrides it."""
+    from million_app import recipes
 
-    for flags, want in (((), PRECISE_SINKS["pq2-r2-qa"]), (("--precise-sinks", 0), 0)):
-        path = tmp_path / f"b2_{want}.safetensors"
-        res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "1024", "--window", "256",
-                  "--bits", "2", *flags, "--iters", "1", "--max-vectors", "512", "--out", path, "--quiet")
-        assert res.rc == 0, res.err
-        meta = load_codebooks(str(path))[1]
-        assert meta["recipe"] == "pq2-r2-qa" and meta["precise_sinks"] == want
+    for best in ("pq2-r2-qa", recipes.BEST_FOR_BITS["post"][2]):
+        monkeypatch.setitem(recipes.BEST_FOR_BITS["post"], 2, best)
+        for flags, want in (((), recipes.PRECISE_SINKS.get(best, 0)), (("--precise-sinks", 3), 3)):
+            path = tmp_path / f"b2_{best}_{want}.safetensors"
+            res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "1024", "--window",
+                      "256", "--bits", "2", *flags, "--iters", "1", "--max-vectors", "512", "--out", path, "--quiet")
+            assert res.rc == 0, res.err
+            meta = load_codebooks(str(path))[1]
+            assert meta["recipe"] == best and meta["precise_sinks"] == want
+    assert recipes.PRECISE_SINKS["pq2-r2-qa"] == 4
 
 
 def test_calibrate_bits_records_four_sinks_on_gemma3(cli, tmp_path):

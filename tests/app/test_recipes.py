@@ -22,7 +22,8 @@ def test_calibrate_bits_writes_the_recipe(cli, tiny_dir, tiny, tmp_path, rope):
     assert recipe.rope == rope
     _, meta = load_codebooks(path)
     d = tiny.config.head_dim
-    assert meta["recipe"] == recipe.name and meta["bits_per_element"] == recipe.bits_per_element == 2.0
+    assert meta["recipe"] == recipe.name and recipe.bits_per_element == 2.0
+    assert meta["bits_per_element"] == recipe.stored_bits(d) == 2.0 + (16 / d if recipe.norms else 0)
     assert (meta["key_M"], meta["key_nbits"], meta["value_M"], meta["value_nbits"]) == (
         recipe.stages * d // recipe.key_dsub, recipe.key_nbits, recipe.stages * d // recipe.value_dsub,
         recipe.value_nbits)
@@ -30,6 +31,7 @@ def test_calibrate_bits_writes_the_recipe(cli, tiny_dir, tiny, tmp_path, rope):
     assert meta["query_aware_keys"] == recipe.query_aware
     books, _ = load_model_codebooks(str(path), tiny)
     assert books.key_rope == meta["key_rope"] == rope
+    assert (books.key_norms, books.value_norms) == (recipe.norms, recipe.norms)
     if recipe.query_aware:
         a, qt = np.asarray(books.key_transform), np.asarray(books.query_transform)
         np.testing.assert_allclose(np.swapaxes(qt, -1, -2) @ a, np.broadcast_to(np.eye(d), a.shape), atol=1e-3)

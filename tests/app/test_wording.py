@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from million_app.recipes import RECIPES
+from million_app.recipes import BEST_FOR_BITS, RECIPES
 from million_jax.quant import pq, uniform
 from million_jax.quant.codebook_io import load_codebook_file, load_kv_codebooks, save_codebooks, save_kv_codebooks
 
@@ -59,11 +59,12 @@ def test_calibrate_bits_describes_its_recipe_in_words(cli, tiny_dir, tmp_path):
     assert res.rc == 0, res.err
     (line,) = [ln for ln in res.err.splitlines() if ln.startswith("recipe ")]
     assert "Recipe(" not in line and "=" not in line, line
-    assert line.endswith(RECIPES["pq2-pre"].describe())
+    assert line.endswith(RECIPES[BEST_FOR_BITS["pre"][2]].describe())
     for r in RECIPES.values():
         d = r.describe()
         assert f"keys {r.key_dsub}-dim sub-vectors x {r.key_nbits} bits" in d
         assert f"values {r.value_dsub}-dim sub-vectors x {r.value_nbits} bits" in d
-        assert d.endswith(f"({r.bits_per_element:.2f} bits/elem)")
+        assert d.endswith(f"({r.bits_per_element:.2f} bits/elem{' of codes' if r.norms else ''})")
+        assert ("norm scale" in d) == r.norms
         assert ("query-aware" in d) == r.query_aware and ("output-aware" in d) == r.output_aware
         assert ("residual" in d) == (r.stages > 1) and ("fine-tuned" in d) == bool(r.finetune_steps)
