@@ -21,6 +21,8 @@ A recipe is what ``million-jax calibrate --bits B`` fits without the user choosi
                               scale |x| / |x_hat| per token beside the key and the value codes
                               (:mod:`million_jax.quant.kv_codebooks`; 16 / head_dim more bits per
                               element each, not counted in ``bits_per_element``)
+    unit                      with norms: the codebooks are fitted on unit vectors and the cache
+                              encodes x / |x| (NEQ); the norm lives only in the scale
 
 Stored bits per element (keys and values together) = stages * (key_nbits / key_dsub +
 value_nbits / value_dsub) / 2. ``BEST_FOR_BITS`` holds, per budget, the recipe that measured
@@ -56,14 +58,14 @@ import numpy as np
 
 from million_app.errors import UsageError
 from million_app.progress import counting
-from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks
+from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks, unit_vectors
 from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
 from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform
 from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.quant.pq import check_nbits
 from models.decoder import rope_inv_freq
 
-__all__ = ["Recipe", "RECIPES", "BEST_FOR_BITS", "PRECISE_SINKS", "FAMILY_PRECISE_SINKS", "adopted_precise_sinks",
+__all__ = ["Recipe", "RECIPES", "with_norms", "BEST_FOR_BITS", "PRECISE_SINKS", "FAMILY_PRECISE_SINKS", "adopted_precise_sinks",
            "recipe_for_bits", "fit_recipe"]
 
 
@@ -81,6 +83,7 @@ class Recipe:
     stages: int = 1
     rope: str = "post"
     norms: bool = False
+    unit: bool = False
 
     def __post_init__(self) -> None:
         def fail(what: str) -> None:
@@ -90,8 +93,11 @@ class Recipe:
             fail(f"name must be a non-empty string, got {self.name!r}")
         if self.rope not in ("pre", "post"):
             fail(f"rope must be 'pre' or 'post', got {self.rope!r}")
-        if not isinstance(self.norms, bool):
-            fail(f"norms must be a bool, got {self.norms!r}")
+        for field in ("norms", "unit"):
+            if not isinstance(getattr(self, field), bool):
+                fail(f"{field} must be a bool, got {getattr(self, field)!r}")
+        if self.unit and not self.norms:
+            fail("unit codes need the norms stored (norms=True)")
         if self.norms and self.finetune_steps:
             fail("fine-tuning does not know about explicit norms: a recipe takes one or the other")
         for field, low in (("key_dsub", 1), ("value_dsub", 1), ("stages", 1), ("key_nbits", 1), ("value_nbits", 1),
@@ -136,6 +142,8 @@ class Recipe:
             text += f"; centroids fine-tuned {self.finetune_steps} steps"
         if self.norms:
             text += "; a bf16 norm scale per key and value (+16 bits per vector)"
+        if self.unit:
+            text += ", codes of the unit vectors"
         return f"{text} ({self.bits_per_element:.2f} bits/elem{' of codes' if self.norms else ''})"
 
     def budgets(self, head_dim: int) -> dict[str, int]:
@@ -181,6 +189,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq3-pre-n", 2, 6, 2, 6, rope="pre", norms=True),
     Recipe("pq2-pre-n", 2, 4, 4, 8, rope="pre", norms=True),
     Recipe("pq2-r2-qa-n", 8, 8, 8, 8, query_aware=True, stages=2, norms=True),
+    Recipe("pq2-r2-qa-nu", 8, 8, 8, 8, query_aware=True, stages=2, norms=True, unit=True),
 )}
 
 # key_rope -> bits per element -> recipe name, the measured best per budget (module docstring,
@@ -211,6 +220,18 @@ PRECISE_SINKS: dict[str, int] = {"pq2-r2-qa": 4}
 # at every budget); they cost 12 KiB per sequence. The BOS / sink token's key is what Gemma's
 # codebooks reproduce worst.
 FAMILY_PRECISE_SINKS: dict[str, int] = {"gemma3": 4}
+
+
+def with_norms(recipe: Recipe, norms: bool, unit: bool = False) -> Recipe:
+    """``recipe`` with these norm settings: the named recipe of ``RECIPES`` that has them (so its
+    name and measured precise sinks follow), else a copy named ``<recipe>+norms`` / ``+unit`` /
+    ``-norms``."""
+    want = dataclasses.replace(recipe, name="?", norms=norms, unit=unit)
+    for r in RECIPES.values():
+        if dataclasses.replace(r, name="?") == want:
+            return r
+    suffix = "+unit" if unit else "+norms" if norms else "-norms"
+    return dataclasses.replace(want, name=recipe.name + suffix)
 
 
 def adopted_precise_sinks(recipe: Recipe | None, family: str) -> int:
@@ -280,12 +301,14 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
     inv_freq = rope_inv_freq(c) if recipe.rope == "pre" else None
     try:
         with counting(f"k-means ({recipe.name})", "fit") as report:
+            if recipe.unit:  # NEQ: the codebooks code directions, the stored scale the norm
+                k, v = unit_vectors(k), unit_vectors(v)
             books = fit_kv_codebooks(k, v, **recipe.budgets(c.head_dim), granularity=granularity,
                                      key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
                                      key_transform=kt, value_transform=vt, stages=recipe.stages,
                                      rope_inv_freq=inv_freq, progress=report)
         if recipe.norms:
-            books = books.with_explicit_norms(True, True)
+            books = books.with_explicit_norms(True, True, recipe.unit)
         if ft is None:
             return books
         q, q_pos, window = queries

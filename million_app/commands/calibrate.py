@@ -13,8 +13,9 @@ from million_app.corpus import text_hash
 from million_app.errors import UsageError
 from million_app.flags import check_codebook_settings, check_positions, check_positive, load_text
 from million_app.loading import model_name, open_model, tokenize
-from million_app.recipes import adopted_precise_sinks, fit_recipe, recipe_for_bits
+from million_app.recipes import adopted_precise_sinks, fit_recipe, recipe_for_bits, with_norms
 from million_app.report import check_writable, human_bytes
+from million_jax.calibration.fit import unit_vectors
 from million_jax.quant.kv_codebooks import GRANULARITIES
 from million_jax.quant.pq import MAX_NBITS, MIN_NBITS
 from models.decoder import rope_inv_freq
@@ -51,9 +52,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="record N exact first tokens per sequence in the file: `eval`/`generate` keep them "
                         "in the cache dtype under both protocols (a fixed cost per sequence, not per token); "
                         "default: the measured choice of --bits, else 0")
-    p.add_argument("--norms", choices=("adopted", "on", "off"), default="adopted",
+    p.add_argument("--norms", choices=("adopted", "on", "unit", "off"), default="adopted",
                    help="norm-explicit PQ: a bf16 scale |x| / |x_hat| per key and value vector stored beside its "
-                        "codes (+16 bits per vector; 'adopted': where --bits measured a win, else off)")
+                        "codes (+16 bits per vector; 'unit': the codebooks fitted on unit vectors, which the "
+                        "cache then encodes; 'adopted': what --bits measured best, else off)")
     p.add_argument("--out", required=True, help=f"output .safetensors file ({KEPT})")
     force_arg(p, "--out")
     return p
@@ -86,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--M {M} does not divide the model's head_dim {d}")
     if recipe is None:
         check_rope_subspaces(args.rope, M, d)
+    elif args.norms != "adopted":  # the flag decides the recipe's norms (and whether it fits unit vectors)
+        recipe = with_norms(recipe, args.norms != "off", args.norms == "unit")
     check_codebook_settings(nbits, args.max_vectors)
     ids = tokenize(model, text)
     progress.status(f"calibration text {args.text}: {len(ids)} tokens, using up to {args.tokens}")
@@ -114,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         progress.status(f"recipe {recipe.name} for --bits {args.bits} --rope {args.rope}: {recipe.describe()}")
     with progress.timed("fitting codebooks") as t:
         if recipe is None:
+            if args.norms == "unit":  # NEQ: the codebooks code directions, the stored scale the norm
+                k, v = unit_vectors(k), unit_vectors(v)
             books = fit_model_codebooks(k, v, M=M, nbits=nbits, granularity=args.granularity,
                                         seed=args.seed, iters=args.iters, max_vectors=args.max_vectors,
                                         rope_inv_freq=rope_inv_freq(model.config) if args.rope == "pre" else None)
@@ -121,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
             books = fit_recipe(recipe, model, k, v, gram, count, granularity=args.granularity,
                                seed=args.seed, iters=args.iters, max_vectors=args.max_vectors,
                                queries=queries)
-    if args.norms != "adopted":
-        books = books.with_explicit_norms(args.norms == "on", args.norms == "on")
+    if recipe is None and args.norms != "adopted":
+        books = books.with_explicit_norms(args.norms != "off", args.norms != "off", args.norms == "unit")
     precise_sinks = args.precise_sinks
     if precise_sinks is None:
         precise_sinks = adopted_precise_sinks(recipe, model.config.family)

@@ -69,7 +69,7 @@ from pallas_kernels.pq_math import gather_centroids
 from pallas_kernels.pq_math import rope_cos_sin as code_rope_cos_sin
 from pallas_kernels.softmax import merge_partials
 
-__all__ = ["PQCache", "PQLayer", "NORM_SCALE_DTYPE", "norm_scales"]
+__all__ = ["PQCache", "PQLayer", "NORM_SCALE_DTYPE", "norm_scales", "unit"]
 
 NORM_SCALE_DTYPE = jnp.bfloat16  # 16 bits: kv_codebooks.NORM_SCALE_BITS
 
@@ -142,8 +142,10 @@ class PQLayer(ExactWindowLayer):
             cos, sin = rope.rope_cos_sin(pos, consts.rope_inv_freq)  # [B, T, d/2]
             k_enc = rope.to_pair_layout(rope.unrotate(k, cos[:, :, None], sin[:, :, None]))
             qc = rope.to_pair_layout(q)
-        new_kc = _encode(consts.key, k_enc, consts.key_transform, stages)  # [B, Hkv, T, Mk]
-        new_vc = _encode(consts.value, v, consts.value_transform, stages)
+        new_kc = _encode(consts.key, unit(k_enc) if consts.unit_codes and consts.key_norms else k_enc,
+                         consts.key_transform, stages)  # [B, Hkv, T, Mk]
+        new_vc = _encode(consts.value, unit(v) if consts.unit_codes and consts.value_norms else v,
+                         consts.value_transform, stages)
         lo, hi = self.code_region(pos, lengths + n_new)
         qc = qc if consts.query_transform is None else apply_head_transform(qc, consts.query_transform)
         qc = tile_query(qc, stages)  # residual codes read as plain PQ (million_jax.quant.residual_pq)
@@ -187,6 +189,13 @@ def _encode(books: Codebooks, x: jax.Array, transform: jax.Array | None, stages:
     if transform is not None:
         x = apply_head_transform(x, transform)
     return encode_stages(Codebooks(books.centroids), jnp.swapaxes(x, 1, 2), stages)
+
+
+def unit(x: jax.Array) -> jax.Array:
+    """x float[..., d] / |x| in float32 (0 stays 0): what unit-vector codebooks encode."""
+    x = x.astype(jnp.float32)
+    n = jnp.linalg.norm(x, axis=-1, keepdims=True)
+    return x / jnp.where(n > 0, n, 1.0)
 
 
 def norm_scales(x: jax.Array, decoded: jax.Array, inverse: jax.Array | None, stages: int) -> jax.Array:

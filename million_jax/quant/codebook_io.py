@@ -6,7 +6,8 @@ the optional key / value transforms float32[L, Gt, d, d] as extra tensors ``key_
 ``value_transform``; their inverses are recomputed on load; residual codebooks record their
 ``stages`` in the metadata, 1 when absent; keys quantized before RoPE record ``key_rope: "pre"``
 and their RoPE frequencies as the extra tensor ``rope_inv_freq`` float32[d/2]; ``"post"`` when
-absent; norm-explicit codebooks record ``key_norms`` / ``value_norms`` true, false when absent).
+absent; norm-explicit codebooks record ``key_norms`` / ``value_norms`` / ``unit_codes`` true,
+false when absent).
 
 File layout: one tensor per named codebook set (e.g. ``"key"`` and ``"value"``),
 each float32[*G, M, K, dsub]; the safetensors header metadata holds one entry
@@ -196,7 +197,7 @@ def save_kv_codebooks(path: str | os.PathLike, books: PQCodebooks,
     meta = dict(metadata or {})
     meta.update(granularity=books.granularity, n_layers=books.num_layers, stages=books.stages,
                 head_dim=books.head_dim, key_rope=books.key_rope, key_norms=books.key_norms,
-                value_norms=books.value_norms)
+                value_norms=books.value_norms, unit_codes=books.unit_codes)
     extras = {name: np.asarray(getattr(books, name), np.float32) for name in _KV_EXTRAS
               if getattr(books, name) is not None}
     save_codebooks(path, {"key": key, "value": value}, meta, extras, atomic=atomic)
@@ -231,11 +232,11 @@ def load_kv_codebooks(path: str | os.PathLike, expect: Mapping[str, Any] | None 
                              "the rope_inv_freq tensor")
         if key_rope == "pre":
             books = books.with_pre_rope_keys(extras["rope_inv_freq"])
-        norms = {name: meta.get(name, False) for name in ("key_norms", "value_norms")}
+        norms = {name: meta.get(name, False) for name in ("key_norms", "value_norms", "unit_codes")}
         for name, x in norms.items():
             if not isinstance(x, bool):
                 raise ValueError(f"{name}={x!r} in the metadata (true or false)")
-        books = books.with_explicit_norms(norms["key_norms"], norms["value_norms"])
+        books = books.with_explicit_norms(norms["key_norms"], norms["value_norms"], norms["unit_codes"])
     except ValueError as e:
         raise CodebookFileError(f"{os.fspath(path)}: {e}") from None
     return books, meta

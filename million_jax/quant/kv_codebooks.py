@@ -34,6 +34,9 @@ token's codes, one bf16 scale ``|x| / |x_hat|`` (the vector's norm over its reco
 in the model's key / value space: after the inverse transform and the sum of the stages; RoPE
 keeps norms), and every attention path multiplies the token's score (keys) or value by it, so
 each reconstruction has the norm of the vector it codes. 16 more bits per token and head each.
+``unit_codes`` (static; with norms): the codebooks were fitted on unit vectors and the cache
+encodes x / |x| (the norm is all in the scale, the codes only carry the direction: NEQ, Dai et al.
+2020); without it today's codebooks code x itself and the scale corrects the length.
 Build them with :meth:`PQCodebooks.with_explicit_norms`.
 """
 from __future__ import annotations
@@ -93,7 +96,8 @@ _TRANSFORMS = ("key_transform", "query_transform", "value_transform", "output_tr
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value", *_TRANSFORMS],
-                   meta_fields=["granularity", "stages", "rope_inv_freq", "key_norms", "value_norms"])
+                   meta_fields=["granularity", "stages", "rope_inv_freq", "key_norms", "value_norms",
+                                "unit_codes"])
 @dataclasses.dataclass(frozen=True)
 class PQCodebooks:
     """key / value: Codebooks with centroids float32[L, G, S * M, K, dsub] ([G, S * M, K, dsub] per
@@ -111,6 +115,7 @@ class PQCodebooks:
     rope_inv_freq: tuple[float, ...] | None = None  # static: the model's d/2 RoPE frequencies
     key_norms: bool = False  # static: a per-token norm scale stored beside the key codes
     value_norms: bool = False  # ... and beside the value codes
+    unit_codes: bool = False  # static: the sides with norms are encoded as unit vectors
 
     @classmethod
     def from_centroids(cls, key, value, granularity: str = "layer_head", num_layers: int | None = None,
@@ -164,13 +169,16 @@ class PQCodebooks:
                              f"got shape {list(inv.shape)}")
         return dataclasses.replace(self, rope_inv_freq=tuple(float(x) for x in inv))
 
-    def with_explicit_norms(self, keys: bool = True, values: bool = True) -> "PQCodebooks":
+    def with_explicit_norms(self, keys: bool = True, values: bool = True, unit: bool = False) -> "PQCodebooks":
         """These codebooks with (or without) a per-token norm scale stored beside the key / value
-        codes (norm-explicit PQ, module docstring)."""
-        for name, x in (("keys", keys), ("values", values)):
+        codes (norm-explicit PQ, module docstring); ``unit``: they were fitted on unit vectors, so
+        the sides with norms are encoded as x / |x|."""
+        for name, x in (("keys", keys), ("values", values), ("unit", unit)):
             if not isinstance(x, (bool, np.bool_)):
                 raise ValueError(f"with_explicit_norms: {name} must be a bool, got {x!r}")
-        return dataclasses.replace(self, key_norms=bool(keys), value_norms=bool(values))
+        if unit and not (keys or values):
+            raise ValueError("with_explicit_norms: unit codes need the norms stored (keys or values True)")
+        return dataclasses.replace(self, key_norms=bool(keys), value_norms=bool(values), unit_codes=bool(unit))
 
     def check_rope(self, rope_inv_freq) -> None:
         """ValueError unless these codebooks can serve a model whose RoPE frequencies are
@@ -265,7 +273,7 @@ class PQCodebooks:
         if self.rope_inv_freq is not None:
             name += " pre"
         if self.key_norms or self.value_norms:
-            name += " n" + "k" * self.key_norms + "v" * self.value_norms
+            name += " n" + "k" * self.key_norms + "v" * self.value_norms + "u" * self.unit_codes
         return name
 
     @property

@@ -49,3 +49,45 @@ def test_norms_off_and_bad_value(cli, tiny_dir, tiny, tmp_path):
     assert (books.key_norms, books.value_norms) == (False, False)
     res = cli("calibrate", "--model", tiny_dir, *CALIB, "--norms", "maybe", "--out", tmp_path / "x.safetensors")
     assert res.rc != 0 and "--norms" in res.err
+
+
+def test_norms_flag_picks_the_named_recipe_with_bits(cli, tiny_dir, tiny, tmp_path):
+    """With --bits the flag swaps the recipe for its named norm variant (name and measured precise
+    sinks follow it); 'unit' fits the codebooks on unit vectors (NEQ)."""
+    from million_app.recipes import BEST_FOR_BITS, PRECISE_SINKS, RECIPES, with_norms
+
+    best = RECIPES[BEST_FOR_BITS["post"][2]]
+    for norms in ("off", "unit"):
+        path = tmp_path / f"b2_{norms}.safetensors"
+        res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "1024", "--window", "256",
+                  "--bits", "2", "--norms", norms, "--iters", "2", "--max-vectors", "512", "--out", path, "--quiet")
+        assert res.rc == 0, res.err
+        want = with_norms(best, norms != "off", norms == "unit")
+        assert want.name in RECIPES  # a named, measured recipe, not a made-up copy
+        meta = load_codebooks(str(path))[1]
+        assert meta["recipe"] == want.name and meta["precise_sinks"] == PRECISE_SINKS.get(want.name, 0)
+        books, _ = load_model_codebooks(str(path), tiny)
+        assert (books.key_norms, books.unit_codes) == (norms != "off", norms == "unit")
+
+
+def test_unit_recipe_fits_directions_only(tiny):
+    """A unit recipe's codebooks do not depend on the vectors' lengths (fitted on x / |x|); the
+    plain recipe's do."""
+    import jax
+
+    from million_app.recipes import RECIPES, fit_recipe
+
+    c = tiny.config
+    rng = np.random.default_rng(0)
+    k, v = (rng.normal(size=(c.n_global_layers, c.n_kv_heads, 600, c.head_dim)).astype(np.float32) for _ in "kv")
+    lengths = rng.uniform(0.1, 10.0, size=k.shape[:-1] + (1,)).astype(np.float32)
+    gram = np.broadcast_to(np.eye(c.head_dim, dtype=np.float32), k.shape[:2] + (c.head_dim,) * 2).copy()
+    count = np.ones(k.shape[:2], np.float32)
+    fit = lambda name, kk, vv: fit_recipe(RECIPES[name], tiny, kk, vv, gram, count, iters=2,  # noqa: E731
+                                          max_vectors=512)
+    with jax.default_matmul_precision("highest"):
+        u1, u2 = fit("pq2-r2-qa-nu", k, v), fit("pq2-r2-qa-nu", k * lengths, v * lengths)
+        p1, p2 = fit("pq2-r2-qa-n", k, v), fit("pq2-r2-qa-n", k * lengths, v * lengths)
+    assert u1.unit_codes and not p1.unit_codes
+    np.testing.assert_allclose(np.asarray(u1.value.centroids), np.asarray(u2.value.centroids), rtol=1e-4, atol=1e-5)
+    assert np.abs(np.asarray(p1.value.centroids) - np.asarray(p2.value.centroids)).max() > 0.1

@@ -22,7 +22,7 @@ from test_residual_pq import _np_stages
 B, T, H, HKV, D = 2, 9, 4, 2, 8
 
 
-def _books(rng, stages=1, transforms=False, pre_rope=False, keys=True, values=True, d=D):
+def _books(rng, stages=1, transforms=False, pre_rope=False, keys=True, values=True, d=D, unit=False):
     m = d // 2
     kc = rng.normal(size=(1, HKV, stages * m, 16, 2)).astype(np.float32)
     vc = rng.normal(size=(1, HKV, stages * m, 16, 2)).astype(np.float32)
@@ -36,12 +36,16 @@ def _books(rng, stages=1, transforms=False, pre_rope=False, keys=True, values=Tr
         books = books.with_transforms(None if pre_rope else a.astype(np.float32), b.astype(np.float32))
     if pre_rope:
         books = books.with_pre_rope_keys(rope.rope_inv_freq(d, 50.0))
-    return books.with_explicit_norms(keys, values)
+    return books.with_explicit_norms(keys, values, unit)
 
 
 def _reconstruct(books: PQCodebooks, k, v):
     """(k_hat, v_hat) float64[B, T, Hkv, d] in the model's space (post-RoPE keys), and the
-    reference scales |x| / |x_hat| float64[B, T, Hkv]."""
+    reference scales |x| / |x_hat| float64[B, T, Hkv]. Unit codes: the sides with norms are
+    encoded as x / |x|."""
+    unit_k = books.unit_codes and books.key_norms
+    unit_v = books.unit_codes and books.value_norms
+    norm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     s, d = books.stages, books.head_dim
     pos = np.arange(T)
     k_hat, v_hat = np.zeros(k.shape), np.zeros(v.shape)
@@ -54,12 +58,13 @@ def _reconstruct(books: PQCodebooks, k, v):
                                                                   cos[None], sin[None])))[0].astype(np.float64)
             a = np.eye(d) if books.key_transform is None else np.asarray(books.key_transform[0, hk], np.float64)
             bm = np.eye(d) if books.value_transform is None else np.asarray(books.value_transform[0, hk], np.float64)
-            _, kh = _np_stages(np.asarray(books.key.centroids[0, hk]), kk @ a.T, s)
+            _, kh = _np_stages(np.asarray(books.key.centroids[0, hk]), (norm(kk) if unit_k else kk) @ a.T, s)
             kh = kh @ np.linalg.inv(a).T
             if books.key_rope == "pre":
                 kh = np.asarray(rope.rotate(jnp.asarray(rope.from_pair_layout(jnp.asarray(kh[None], jnp.float32))),
                                             cos[None], sin[None]))[0]
-            _, vh = _np_stages(np.asarray(books.value.centroids[0, hk]), v[b, :, hk] @ bm.T, s)
+            vv = v[b, :, hk].astype(np.float64)
+            _, vh = _np_stages(np.asarray(books.value.centroids[0, hk]), (norm(vv) if unit_v else vv) @ bm.T, s)
             k_hat[b, :, hk], v_hat[b, :, hk] = kh, vh @ np.linalg.inv(bm).T
     ratio = lambda x, xh: np.linalg.norm(x, axis=-1) / np.linalg.norm(xh, axis=-1)  # noqa: E731
     return k_hat, v_hat, ratio(k, k_hat), ratio(v, v_hat)
@@ -115,17 +120,19 @@ def _run(books, cache, q, k, v, prefill):
     return outs, cache.__class__(layers=jax.tree.map(lambda x: x[None], layer), lengths=cache.lengths + T)
 
 
-@pytest.mark.parametrize("stages,transforms,pre_rope,pack,impl,d", [
-    (1, False, False, True, "xla", D),
-    (2, True, False, False, "xla", D),
-    (1, True, True, True, "xla", D),
-    (1, False, False, True, "pallas", D),
-    (2, False, False, False, "pallas", D),  # transforms sit outside the kernel (the xla rows cover them)
-    (1, False, True, True, "pallas", 32),  # the kernel's pre-RoPE path wants M = d / 2 >= 16
+@pytest.mark.parametrize("stages,transforms,pre_rope,pack,impl,d,unit", [
+    (1, False, False, True, "xla", D, False),
+    (2, True, False, False, "xla", D, False),
+    (1, True, True, True, "xla", D, False),
+    (2, True, False, True, "xla", D, True),
+    (1, False, True, True, "xla", D, True),
+    (1, False, False, True, "pallas", D, False),
+    (2, False, False, False, "pallas", D, True),  # transforms sit outside the kernel (the xla rows cover them)
+    (1, False, True, True, "pallas", 32, False),  # the kernel's pre-RoPE path wants M = d / 2 >= 16
 ])
-def test_norm_explicit_cache_matches_reference(stages, transforms, pre_rope, pack, impl, d):
-    rng = np.random.default_rng(100 * stages + 10 * transforms + pre_rope)
-    books = _books(rng, stages, transforms, pre_rope, d=d)
+def test_norm_explicit_cache_matches_reference(stages, transforms, pre_rope, pack, impl, d, unit):
+    rng = np.random.default_rng(100 * stages + 10 * transforms + pre_rope + 7 * unit)
+    books = _books(rng, stages, transforms, pre_rope, d=d, unit=unit)
     q, k, v = _inputs(rng, d)
     cache = PQCache.for_codebooks(books, B, HKV, T, quantize_all=True, impl=impl, pack=pack)
     outs, cache = _run(books, cache, q, k, v, prefill=4)
@@ -161,10 +168,15 @@ def test_file_roundtrip_and_mismatches(tmp_path):
     rng = np.random.default_rng(5)
     books = _books(rng, stages=2, transforms=True, keys=True, values=False)
     path = tmp_path / "ne.safetensors"
-    save_kv_codebooks(path, books)
-    loaded, meta = load_kv_codebooks(path)
-    assert (loaded.key_norms, loaded.value_norms) == (True, False) and loaded.recipe == books.recipe
-    assert books.recipe.endswith(" nk")
+    for b in (books, books.with_explicit_norms(False, True, True)):
+        save_kv_codebooks(path, b)
+        loaded, meta = load_kv_codebooks(path)
+        assert (loaded.key_norms, loaded.value_norms, loaded.unit_codes) == (b.key_norms, b.value_norms,
+                                                                             b.unit_codes)
+        assert loaded.recipe == b.recipe
+    assert books.recipe.endswith(" nk") and books.with_explicit_norms(True, True, True).recipe.endswith(" nkvu")
+    with pytest.raises(ValueError, match="unit codes need the norms stored"):
+        books.with_explicit_norms(False, False, True)
     # the cache made for other codebooks is refused, both ways, with the field named
     plain = PQCache.for_codebooks(books.with_explicit_norms(False, False), B, HKV, T)
     with pytest.raises(ValueError, match="explicit key norms.*k_scales"):
