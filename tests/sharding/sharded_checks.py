@@ -101,9 +101,11 @@ def sharding_error(what: str, cache: Any, mesh: Any, rules: Any) -> str | None:
 
 
 def min_layer_shard_elems(cache: Any) -> int:
-    """Elements of the smallest per-device, per-layer shard of a T_max-long cache array."""
+    """Elements of the smallest per-device, per-layer shard of a T_max-long cache array of codes /
+    vectors (per-token scalars, e.g. norm-explicit scales [..., T_max, 1], are left out: their shard
+    is smaller than the codebooks, which are not cache data)."""
     sizes = [int(np.prod(x.sharding.shard_shape(x.shape)[1:])) for x in jax.tree.leaves(cache)
-             if x.ndim == 5 and x.shape[3] == T_MAX]
+             if x.ndim == 5 and x.shape[3] == T_MAX and x.shape[4] > 1]
     return min(sizes)
 
 
@@ -111,7 +113,8 @@ def make_cache(kind: str, config: LlamaConfig) -> tuple[Any, Any]:
     """(empty cache, cache_consts) of one kind for ``config``.
 
     "pq" reads codes on the xla path; "pq-pallas" runs decode steps in the Pallas kernel
-    (interpret mode on CPU; on a mesh, per shard under ``shard_map``).
+    (interpret mode on CPU; on a mesh, per shard under ``shard_map``), with norm-explicit
+    codebooks, so the per-token bf16 scales are sharded with the codes and read by the kernel.
     """
     L, hkv, d = config.n_layers, config.n_kv_heads, config.head_dim
     if kind == "dense":
@@ -121,8 +124,10 @@ def make_cache(kind: str, config: LlamaConfig) -> tuple[Any, Any]:
         shape = (L, hkv, 4, 16, d // 4)                      # layer_head, M=4, nbits=4
         books = PQCodebooks(Codebooks(jax.random.normal(k1, shape)), Codebooks(jax.random.normal(k2, shape)),
                             "layer_head")
-        cache = PQCache.create(L, BATCH, hkv, T_MAX, d, M=4, nbits=4, window=WINDOW, sinks=SINKS,
-                               dtype=jnp.float32, impl="pallas" if kind == "pq-pallas" else "xla")
+        if kind == "pq-pallas":
+            books = books.with_explicit_norms(True, True)
+        cache = PQCache.for_codebooks(books, BATCH, hkv, T_MAX, window=WINDOW, sinks=SINKS, dtype=jnp.float32,
+                                      impl="pallas" if kind == "pq-pallas" else "xla")
         return cache, books
     if kind == "uniform":
         cache = UniformCache.create(L, BATCH, hkv, T_MAX, d, bits=4, group_size=4, window=WINDOW,
