@@ -187,7 +187,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     # norm-explicit: the recipe's codebooks plus a bf16 norm scale per key / value vector
     Recipe("pq4-pre-n", 2, 8, 2, 8, rope="pre", norms=True),
     Recipe("pq3-pre-n", 2, 6, 2, 6, rope="pre", norms=True),
+    Recipe("pq4-pre-nu", 2, 8, 2, 8, rope="pre", norms=True, unit=True),
     Recipe("pq2-pre-n", 2, 4, 4, 8, rope="pre", norms=True),
+    Recipe("pq2-pre-nu", 2, 4, 4, 8, rope="pre", norms=True, unit=True),
     Recipe("pq2-r2-qa-n", 8, 8, 8, 8, query_aware=True, stages=2, norms=True),
     Recipe("pq2-r2-qa-nu", 8, 8, 8, 8, query_aware=True, stages=2, norms=True, unit=True),
 )}
@@ -196,11 +198,12 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 # benchmarks/results/recipes_smollm2 and prerope_smollm2)
 # At 2 b/elem the norm-explicit versions (+16 bits per key / value vector) are adopted, measured
 # to win on both k-means seeds with every key/value from codes (benchmarks/results/frontier/
-# norm_explicit/README.md, 2026-12-05): SmolLM2 pq2-r2-qa +33.3 / +39.2% -> pq2-r2-qa-n +23.7 /
-# +28.6% (2.25 b/elem); Gemma 3 270M pq2-pre + 4 sinks +7.4 / +6.8% -> pq2-pre-n +5.2 / +5.4% (2.06
-# b/elem). At 4 b they won on one seed and lost on the other (SmolLM2 pq4-pre): not adopted.
+# norm_explicit/README.md, 2026-12-05): SmolLM2 pq2-r2-qa +33.3 / +39.2% -> pq2-r2-qa-n (today's
+# codebooks rescaled) +23.7 / +28.6% -> pq2-r2-qa-nu (codebooks of unit vectors, NEQ) +23.5 / +23.0%
+# (2.25 b/elem); Gemma 3 270M pq2-pre + 4 sinks +7.4 / +6.8% -> pq2-pre-n +5.2 / +5.4% (2.06 b/elem).
+# At 4 b the rescaling won on one seed and lost on the other (SmolLM2 pq4-pre): not adopted.
 BEST_FOR_BITS: dict[str, dict[int, str]] = {
-    "post": {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-r2-qa-n", 1: "pq1-qa"},
+    "post": {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-r2-qa-nu", 1: "pq1-qa"},
     "pre": {4: "pq4-pre", 3: "pq3-pre", 2: "pq2-pre-n"},
 }
 
@@ -209,8 +212,8 @@ BEST_FOR_BITS: dict[str, dict[int, str]] = {
 # measured to win on both k-means seeds (benchmarks/results/frontier/README.md, "The first rows at
 # higher precision"): at 2 b/elem 4 bf16 sinks take every-token-from-codes SmolLM2 from +36.7% /
 # +39.2% to +32.0% / +30.0%; at 4 b/elem (pq4-pre) they won on one seed and lost on the other.
-# With the norm-explicit pq2-r2-qa-n (adopted at 2 b) they won on seed 1 (+28.6% -> +24.4%) and lost
-# on seed 0 (+23.7% -> +26.3%; norm_explicit/README.md): not adopted there.
+# With the norm-explicit pq2-r2-qa-n they won on seed 1 (+28.6% -> +24.4%) and lost on seed 0
+# (+23.7% -> +26.3%; norm_explicit/README.md): not adopted there, nor (unmeasured) for pq2-r2-qa-nu.
 PRECISE_SINKS: dict[str, int] = {"pq2-r2-qa": 4}
 
 # model family -> exact first tokens at every --bits (taken over PRECISE_SINKS when larger). Gemma 3
