@@ -187,6 +187,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     # norm-explicit: the recipe's codebooks plus a bf16 norm scale per key / value vector
     Recipe("pq4-pre-n", 2, 8, 2, 8, rope="pre", norms=True),
     Recipe("pq3-pre-n", 2, 6, 2, 6, rope="pre", norms=True),
+    Recipe("pq3-pre-nu", 2, 6, 2, 6, rope="pre", norms=True, unit=True),
     Recipe("pq4-pre-nu", 2, 8, 2, 8, rope="pre", norms=True, unit=True),
     Recipe("pq2-pre-n", 2, 4, 4, 8, rope="pre", norms=True),
     Recipe("pq2-pre-nu", 2, 4, 4, 8, rope="pre", norms=True, unit=True),
