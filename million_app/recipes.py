@@ -65,7 +65,7 @@ from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.quant.pq import check_nbits
 from models.decoder import rope_inv_freq
 
-__all__ = ["Recipe", "RECIPES", "with_norms", "BEST_FOR_BITS", "PRECISE_SINKS", "FAMILY_PRECISE_SINKS", "adopted_precise_sinks",
+__all__ = ["Recipe", "RECIPES", "with_norms", "BEST_FOR_BITS", "FAMILY_BEST_FOR_BITS", "PRECISE_SINKS", "FAMILY_PRECISE_SINKS", "adopted_precise_sinks",
            "recipe_for_bits", "fit_recipe"]
 
 
@@ -197,15 +197,27 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 
 # key_rope -> bits per element -> recipe name, the measured best per budget (module docstring,
 # benchmarks/results/recipes_smollm2 and prerope_smollm2)
-# At 2 b/elem the norm-explicit versions (+16 bits per key / value vector) are adopted, measured
-# to win on both k-means seeds with every key/value from codes (benchmarks/results/frontier/
-# norm_explicit/README.md, 2026-12-05): SmolLM2 pq2-r2-qa +33.3 / +39.2% -> pq2-r2-qa-n (today's
-# codebooks rescaled) +23.7 / +28.6% -> pq2-r2-qa-nu (codebooks of unit vectors, NEQ) +23.5 / +23.0%
-# (2.25 b/elem); Gemma 3 270M pq2-pre + 4 sinks +7.4 / +6.8% -> pq2-pre-n +5.2 / +5.4% (2.06 b/elem).
-# At 4 b the rescaling won on one seed and lost on the other (SmolLM2 pq4-pre): not adopted.
+# Norm-explicit recipes (+16 bits per key / value vector) are adopted where they won on both
+# k-means seeds with every key/value from codes, against the same recipe without norms
+# (benchmarks/results/frontier/norm_explicit/README.md, 2026-12-05, same codebook files):
+#   SmolLM2 2 b  pq2-r2-qa +36.7 / +39.2%  -> -n +23.7 / +28.6%  -> -nu +23.5 / +23.0%  (2.25 b/elem)
+#   SmolLM2 3 b  pq3-pre   +10.4 / +11.9%  -> -n  +8.1 / +10.6%  -> -nu  +6.8 /  +5.8%  (3.25 b/elem)
+#   SmolLM2 4 b  pq4-pre    +2.4 /  +1.0%  -> -n  +2.5 /  +1.5%  -> -nu  +1.8 /  +1.0%  (mixed: not adopted)
+# "-n" rescales today's codebooks' reconstructions to the stored norm; "-nu" fits the codebooks on
+# unit vectors and encodes x / |x| (NEQ). Gemma 3 (its 4 sinks kept) prefers "-n": see
+# FAMILY_BEST_FOR_BITS.
 BEST_FOR_BITS: dict[str, dict[int, str]] = {
     "post": {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-r2-qa-nu", 1: "pq1-qa"},
-    "pre": {4: "pq4-pre", 3: "pq3-pre", 2: "pq2-pre-n"},
+    "pre": {4: "pq4-pre", 3: "pq3-pre-nu", 2: "pq2-pre-n"},
+}
+
+# model family -> key_rope -> bits -> recipe, where a family measured another best than BEST_FOR_BITS.
+# Gemma 3 270M, keys before RoPE, 4 precise sinks, every other key/value from codes (same files):
+#   2 b  pq2-pre +7.36 / +6.81%  -> -n +5.23 / +5.44%  -> -nu +5.36 / +6.13%  (2.06 b/elem)
+#   3 b  pq3-pre +1.88 / +1.28%  -> -n +1.66 / +1.08%  -> -nu +1.82 / +1.59%  (3.06 b/elem)
+#   4 b  pq4-pre +0.19 / +0.56%  -> -n +0.05 / +0.74%  -> -nu +0.35 / +0.34%  (mixed: not adopted)
+FAMILY_BEST_FOR_BITS: dict[str, dict[str, dict[int, str]]] = {
+    "gemma3": {"pre": {3: "pq3-pre-n", 2: "pq2-pre-n"}},
 }
 
 # recipe name -> exact first tokens recorded in the codebook file (`calibrate --bits B`; `eval`
@@ -246,8 +258,9 @@ def adopted_precise_sinks(recipe: Recipe | None, family: str) -> int:
     return max(PRECISE_SINKS.get(recipe.name, 0), FAMILY_PRECISE_SINKS.get(family, 0))
 
 
-def recipe_for_bits(bits: int, key_rope: str = "pre") -> Recipe:
-    """The recipe for ``--bits`` with keys quantized ``key_rope`` RoPE (UsageError for a budget
+def recipe_for_bits(bits: int, key_rope: str = "pre", family: str | None = None) -> Recipe:
+    """The recipe for ``--bits`` with keys quantized ``key_rope`` RoPE on a model of ``family``
+    (its entry of ``FAMILY_BEST_FOR_BITS`` if any, else ``BEST_FOR_BITS``; UsageError for a budget
     without one)."""
     if not isinstance(bits, (int, np.integer)) or isinstance(bits, bool):
         raise UsageError(f"--bits must be an integer, got {bits!r}")
@@ -258,7 +271,7 @@ def recipe_for_bits(bits: int, key_rope: str = "pre") -> Recipe:
         other = [r for r, t in BEST_FOR_BITS.items() if bits in t and r != key_rope]
         hint = f" (--rope {other[0]} has one)" if other else ""
         raise UsageError(f"--bits with --rope {key_rope} must be one of {sorted(table)}, got {bits}{hint}")
-    return RECIPES[table[bits]]
+    return RECIPES[FAMILY_BEST_FOR_BITS.get(family, {}).get(key_rope, {}).get(bits, table[bits])]
 
 
 def _check_calibration_arrays(recipe: Recipe, c, k, v, q_gram, q_count) -> None:

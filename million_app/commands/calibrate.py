@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bits is not None:
         if args.M is not None or args.nbits is not None:
             raise UsageError("--bits picks M and nbits itself: give either --bits or --M/--nbits")
-        recipe = recipe_for_bits(args.bits, args.rope)
+        recipe = recipe_for_bits(args.bits, args.rope, model.config.family)
         recipe.budgets(d)
     nbits = 8 if args.nbits is None else args.nbits
     M = args.M or d // 2

@@ -176,3 +176,17 @@ def test_fit_recipe_checks_its_calibration_arrays(tiny):
     for args, match in cases:
         with pytest.raises(UsageError, match=match):
             fit_recipe(RECIPES["pq4-qa"], tiny, *args, iters=1, max_vectors=64)
+
+
+def test_family_tables_name_real_recipes_and_override_the_default():
+    from million_app.recipes import FAMILY_BEST_FOR_BITS, recipe_for_bits
+
+    for table in [BEST_FOR_BITS] + list(FAMILY_BEST_FOR_BITS.values()):
+        for rope, by_bits in table.items():
+            for bits, name in by_bits.items():
+                recipe = RECIPES[name]
+                assert recipe.rope == rope and recipe.bits_per_element == bits, name
+    assert recipe_for_bits(3, "pre", "gemma3").name == FAMILY_BEST_FOR_BITS["gemma3"]["pre"][3]
+    assert recipe_for_bits(3, "pre", "llama").name == BEST_FOR_BITS["pre"][3]
+    assert recipe_for_bits(4, "pre", "gemma3").name == BEST_FOR_BITS["pre"][4]  # no override at 4 b
+    assert recipe_for_bits(3, "pre", "gemma3").name != recipe_for_bits(3, "pre").name
