@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -178,12 +179,15 @@ def _encode(centroids: jax.Array, x: jax.Array, chunk_size: int) -> jax.Array:
     M, K, dsub = centroids.shape[-3:]
     xs = _split(x.astype(jnp.float32), M)  # [*lead, M, N, dsub]
     lead = jnp.broadcast_shapes(xs.shape[:-3], centroids.shape[:-3])
-    n = xs.shape[-2]
-    xs = jnp.broadcast_to(xs, lead + xs.shape[-3:]).reshape(-1, n, dsub)
-    c = jnp.broadcast_to(centroids, lead + centroids.shape[-3:]).reshape(-1, K, dsub)
-    chunk = batched_chunk(chunk_size, xs.shape[0], K)
-    idx, _ = jax.vmap(lambda a, b: assign(a, b.astype(jnp.float32), chunk))(xs, c)
-    idx = idx.reshape(lead + (M, n))
+    xs = jnp.broadcast_to(xs, lead + xs.shape[-3:])
+    c = jnp.broadcast_to(centroids, lead + centroids.shape[-3:])
+    chunk = batched_chunk(chunk_size, math.prod(lead) * M, K)
+    # vmapped over every lead axis and M, never flattened: merging a device-sharded axis (the KV
+    # heads of a sharded cache) into one batch axis made the partitioner all-gather the codebooks
+    find = lambda a, b: assign(a, b.astype(jnp.float32), chunk)[0]  # noqa: E731
+    for _ in range(len(lead) + 1):
+        find = jax.vmap(find)
+    idx = find(xs, c)  # [*lead, M, n]
     return jnp.swapaxes(idx, -1, -2).astype(code_dtype(int(K).bit_length() - 1))
 
 

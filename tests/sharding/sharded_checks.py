@@ -200,6 +200,11 @@ def run_case(config: LlamaConfig, kind: str, mesh_shape: tuple[int, int] | None,
         res["min_cache_shard_elems"] = min_elems
         res["collectives"] = [f"{c['op']} {c['shapes']}" for c in colls]
         res["cache_collectives"] = [f"{c['op']} {c['shapes']}" for c in colls if cache_sized(c, min_elems)]
+        # a collective of codebook-shaped data ([..., M, K, dsub]): the codebooks are split with the
+        # KV heads and must stay per shard (encoding once all-gathered them every decode step)
+        book = None if books is None else list(books.key.centroids.shape[-3:])
+        res["codebook_collectives"] = [f"{c['op']} {c['shapes']}" for c in colls
+                                       if book and any(dims[-3:] == book for _, dims in c["shapes"])]
     res["seconds"] = time.perf_counter() - t0
     return res
 

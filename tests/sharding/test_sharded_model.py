@@ -112,6 +112,11 @@ def test_decode_step_moves_no_cache_data(case):
     assert case["cache_collectives"] == [], case["cache_collectives"]
 
 
+def test_decode_step_moves_no_codebooks(case):
+    """The codebooks are split with the KV heads and read per shard: no collective of [.., M, K, dsub]."""
+    assert case.get("codebook_collectives", []) == [], case["codebook_collectives"]
+
+
 def test_pallas_cases_run_the_kernel_per_shard(case):
     """impl="pallas" really runs the kernel in the decode step, under shard_map on a mesh."""
     pallas = case["kind"] == "pq-pallas"
