@@ -58,10 +58,10 @@ import numpy as np
 
 from million_app.errors import UsageError
 from million_app.progress import counting
-from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks, unit_vectors
+from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks
 from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
 from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform
-from million_jax.quant.kv_codebooks import PQCodebooks
+from million_jax.quant.kv_codebooks import PQCodebooks, unit_vectors
 from million_jax.quant.pq import check_nbits
 from models.decoder import rope_inv_freq
 

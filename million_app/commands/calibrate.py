@@ -15,8 +15,7 @@ from million_app.flags import check_codebook_settings, check_positions, check_po
 from million_app.loading import model_name, open_model, tokenize
 from million_app.recipes import adopted_precise_sinks, fit_recipe, recipe_for_bits, with_norms
 from million_app.report import check_writable, human_bytes
-from million_jax.calibration.fit import unit_vectors
-from million_jax.quant.kv_codebooks import GRANULARITIES
+from million_jax.quant.kv_codebooks import GRANULARITIES, unit_vectors
 from million_jax.quant.pq import MAX_NBITS, MIN_NBITS
 from models.decoder import rope_inv_freq
 

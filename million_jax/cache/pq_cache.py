@@ -62,16 +62,14 @@ from pallas_kernels.code_packing import is_packed, pack_codes, stored_width
 from million_jax.attention.pq_dispatch import KernelMesh, check_impl, pq_code_attention
 from million_jax.quant.kv_transforms import apply_head_transform
 from million_jax.quant.pq import Codebooks, code_dtype
-from million_jax.quant.kv_codebooks import PQCodebooks
+from million_jax.quant.kv_codebooks import NORM_SCALE_DTYPE, PQCodebooks, unit_vectors
 from million_jax.quant.residual_pq import check_stages, encode_stages, fold_output, tile_query
 from million_jax.quant.uniform import KVBits
 from pallas_kernels.pq_math import gather_centroids
 from pallas_kernels.pq_math import rope_cos_sin as code_rope_cos_sin
 from pallas_kernels.softmax import merge_partials
 
-__all__ = ["PQCache", "PQLayer", "NORM_SCALE_DTYPE", "norm_scales", "unit"]
-
-NORM_SCALE_DTYPE = jnp.bfloat16  # 16 bits: kv_codebooks.NORM_SCALE_BITS
+__all__ = ["PQCache", "PQLayer", "norm_scales"]
 
 
 @functools.partial(
@@ -142,9 +140,9 @@ class PQLayer(ExactWindowLayer):
             cos, sin = rope.rope_cos_sin(pos, consts.rope_inv_freq)  # [B, T, d/2]
             k_enc = rope.to_pair_layout(rope.unrotate(k, cos[:, :, None], sin[:, :, None]))
             qc = rope.to_pair_layout(q)
-        new_kc = _encode(consts.key, unit(k_enc) if consts.unit_codes and consts.key_norms else k_enc,
+        new_kc = _encode(consts.key, unit_vectors(k_enc) if consts.unit_codes and consts.key_norms else k_enc,
                          consts.key_transform, stages)  # [B, Hkv, T, Mk]
-        new_vc = _encode(consts.value, unit(v) if consts.unit_codes and consts.value_norms else v,
+        new_vc = _encode(consts.value, unit_vectors(v) if consts.unit_codes and consts.value_norms else v,
                          consts.value_transform, stages)
         lo, hi = self.code_region(pos, lengths + n_new)
         qc = qc if consts.query_transform is None else apply_head_transform(qc, consts.query_transform)
@@ -191,13 +189,6 @@ def _encode(books: Codebooks, x: jax.Array, transform: jax.Array | None, stages:
     return encode_stages(Codebooks(books.centroids), jnp.swapaxes(x, 1, 2), stages)
 
 
-def unit(x: jax.Array) -> jax.Array:
-    """x float[..., d] / |x| in float32 (0 stays 0): what unit-vector codebooks encode."""
-    x = x.astype(jnp.float32)
-    n = jnp.linalg.norm(x, axis=-1, keepdims=True)
-    return x / jnp.where(n > 0, n, 1.0)
-
-
 def norm_scales(x: jax.Array, decoded: jax.Array, inverse: jax.Array | None, stages: int) -> jax.Array:
     """Norm-explicit PQ: |x| / |x_hat| per vector, bfloat16[B, T, Hkv, 1] (1 where x_hat is 0).
 
@@ -205,8 +196,7 @@ def norm_scales(x: jax.Array, decoded: jax.Array, inverse: jax.Array | None, sta
     gathered codes of its S stages (transformed space); inverse: the transform's inverse
     float[Gt, d, d] or None. Both norms are taken in the model's space.
     """
-    b, hkv, t, _ = decoded.shape
-    rec = jnp.swapaxes(decoded.reshape(b, hkv, t, stages, -1).sum(axis=3), 1, 2)  # [B, T, Hkv, d]
+    rec = jnp.swapaxes(fold_output(decoded, stages), 1, 2)  # the stages summed: [B, T, Hkv, d]
     if inverse is not None:
         rec = apply_head_transform(rec, inverse)
     num = jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)

@@ -33,19 +33,11 @@ from million_jax.quant.pq import Codebooks, check_nbits, check_subspaces, fit_co
 from million_jax.quant.kv_codebooks import GRANULARITIES, PQCodebooks, check_pre_rope_keys
 from million_jax.quant.residual_pq import check_stage_count, fit_stages
 
-__all__ = ["unit_vectors", "check_max_vectors", "collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_in_chunks", "DEFAULT_MAX_VECTORS",
+__all__ = ["check_max_vectors", "collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_in_chunks", "DEFAULT_MAX_VECTORS",
            "GROUPS_PER_FIT"]
 
 DEFAULT_MAX_VECTORS = 65536
 GROUPS_PER_FIT = 8  # codebook groups per jitted k-means call (a chance to stop in between)
-
-
-def unit_vectors(x: np.ndarray) -> np.ndarray:
-    """Calibration vectors float[..., d] / their norms -> float32 (0 stays 0): the samples of
-    unit-code (NEQ) codebooks (``PQCodebooks.unit_codes``)."""
-    x = np.asarray(x, np.float32)
-    n = np.linalg.norm(x, axis=-1, keepdims=True)
-    return x / np.where(n > 0, n, 1.0)
 
 
 def collect_kv(cache: DenseCache, *, rope_inv_freq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

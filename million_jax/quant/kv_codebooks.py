@@ -52,10 +52,20 @@ from million_jax.quant.kv_transforms import check_transform, inverse, inverse_tr
 from million_jax.quant.pq import Codebooks
 from million_jax.quant.residual_pq import check_stages
 
-__all__ = ["PQCodebooks", "GRANULARITIES", "NORM_SCALE_BITS", "check_pre_rope_keys"]
+__all__ = ["PQCodebooks", "GRANULARITIES", "NORM_SCALE_BITS", "NORM_SCALE_DTYPE", "check_pre_rope_keys", "unit_vectors"]
 
 GRANULARITIES = ("shared", "layer", "layer_head")
-NORM_SCALE_BITS = 16  # an explicit norm scale is stored as one bf16 per token and head
+NORM_SCALE_DTYPE = jnp.bfloat16  # an explicit norm scale: one per token and head, in the cache
+NORM_SCALE_BITS = 8 * jnp.dtype(NORM_SCALE_DTYPE).itemsize
+
+
+def unit_vectors(x):
+    """float[..., d] / its norms in float32, 0 staying 0: what unit-code (NEQ) codebooks are fitted
+    on and encode (``PQCodebooks.unit_codes``). numpy in, numpy out (calibration samples); else jnp."""
+    xp = np if isinstance(x, np.ndarray) else jnp
+    x = xp.asarray(x, xp.float32)
+    n = xp.linalg.norm(x, axis=-1, keepdims=True)
+    return x / xp.where(n > 0, n, 1.0)
 
 
 def check_pre_rope_keys(head_dim: int, key_M: int, has_key_transform: bool) -> None:
