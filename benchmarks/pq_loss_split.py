@@ -67,8 +67,9 @@ def pq_reconstruct(books: PQCodebooks, k: jax.Array, v: jax.Array, pos: jax.Arra
     if books.rope_inv_freq is not None:
         cos, sin = rope.rope_cos_sin(pos, jnp.asarray(books.rope_inv_freq, jnp.float32))  # [B, T, d/2]
         c, s = cos[:, :, None], sin[:, :, None]
-        k_pair = rope.to_pair_layout(rope.unrotate(k.astype(jnp.float32), c, s))
-        k_hat = rope.rotate(rope.from_pair_layout(through(books.key, k_pair)), c, s)
+        pairs = books.key_rope_pairs
+        k_pair = rope.to_pair_layout(rope.unrotate(k.astype(jnp.float32), c, s), pairs)
+        k_hat = rope.rotate(rope.from_pair_layout(through(books.key, k_pair), pairs), c, s)
     elif books.key_transform is not None:  # q . k = (A^-T q) . (A k): k_hat = A^-1 decode(encode(A k))
         k_hat = apply_head_transform(through(books.key, apply_head_transform(k, books.key_transform)),
                                      jnp.swapaxes(books.query_transform, -1, -2))

@@ -136,6 +136,8 @@ class Recipe:
                           part("values", self.value_dsub, self.value_nbits,
                                "output-aware" if self.output_aware else None)))
         text += f"; keys quantized {'before' if self.rope == 'pre' else 'after'} RoPE"
+        if self.rope == "pre" and self.key_dsub > 2:
+            text += f" ({self.key_dsub // 2} RoPE pairs per key sub-vector)"
         if self.stages > 1:
             text += f"; {self.stages} residual stages"
         if self.finetune_steps:
@@ -193,6 +195,11 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq2-pre-nu", 2, 4, 4, 8, rope="pre", norms=True, unit=True),
     Recipe("pq2-r2-qa-n", 8, 8, 8, 8, query_aware=True, stages=2, norms=True),
     Recipe("pq2-r2-qa-nu", 8, 8, 8, 8, query_aware=True, stages=2, norms=True, unit=True),
+    # keys before RoPE in sub-spaces of two RoPE pairs (m, m + d/4) x 8 bits: 256 centroids per
+    # fast + slow pair instead of 16 per pair at the same 2 b/elem (benchmarks/pq2_pair_groups.py)
+    Recipe("pq2-pre-g2", 4, 8, 4, 8, rope="pre"),
+    Recipe("pq2-pre-g2-n", 4, 8, 4, 8, rope="pre", norms=True),
+    Recipe("pq2-pre-g2-nu", 4, 8, 4, 8, rope="pre", norms=True, unit=True),
 )}
 
 # key_rope -> bits per element -> recipe name, the measured best per budget (module docstring,

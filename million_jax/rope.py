@@ -11,9 +11,14 @@ and the un-rotation of new keys use this). Attention over pre-RoPE *codes* turns
 the same angle computed without rounding (``pallas_kernels.pq_math.rope_cos_sin``: fixed-point
 turns, 2e-7 rad at 128K against 4e-3 for the float32 product).
 
-Pre-RoPE key codebooks use one PQ sub-space per pair: :func:`to_pair_layout` orders the d
-dims as (0, d/2, 1, d/2 + 1, ...), so sub-space m (dsub = 2) is pair m and a rotation never
-leaves its sub-space (the attention then needs two lookup tables, ``pallas_kernels.pq_math``).
+Pre-RoPE key codebooks use sub-spaces made of whole RoPE pairs, so a rotation never leaves its
+sub-space. With P pairs per sub-space (dsub = 2P, M = d / 2P sub-spaces),
+:func:`to_pair_layout` puts pair m + p M at dims (2(mP + p), 2(mP + p) + 1) of sub-space m: P = 1
+orders the d dims as (0, d/2, 1, d/2 + 1, ...), sub-space m is pair m; P = 2 groups a fast pair m
+with the slow pair m + d/4 (at 2 b/elem their 256 centroids code keys with a third less error
+than 16 per pair: benchmarks/results/frontier/README.md (C)). :func:`subspace_freqs` gives the
+frequencies in that order. Attention then needs two lookup tables per pair
+(``pallas_kernels.pq_math``).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["RopeScaling", "ROPE_SCALING_KINDS", "rope_inv_freq", "rope_cos_sin", "rotate", "unrotate",
-           "rotate_pair_layout", "to_pair_layout", "from_pair_layout"]
+           "rotate_pair_layout", "to_pair_layout", "from_pair_layout", "subspace_freqs"]
 
 ROPE_SCALING_KINDS = ("llama3", "linear", "freq_factors")
 
@@ -111,13 +116,38 @@ def _xp(x):
     return np if isinstance(x, np.ndarray) else jnp
 
 
-def to_pair_layout(x: jax.Array) -> jax.Array:
-    """x float[..., d] (rotate-half layout) -> float[..., d] with pair m at dims (2m, 2m + 1)."""
-    half = x.shape[-1] // 2
-    return _xp(x).stack([x[..., :half], x[..., half:]], axis=-1).reshape(x.shape)
+def _pairs_per_subspace(d: int, pairs: int) -> int:
+    if not isinstance(pairs, (int, np.integer)) or isinstance(pairs, bool) or pairs < 1 or d % (2 * pairs):
+        raise ValueError(f"RoPE pairs per sub-space must be an integer >= 1 dividing head_dim / 2 = {d // 2}, "
+                         f"got {pairs!r}")
+    return int(pairs)
 
 
-def from_pair_layout(x: jax.Array) -> jax.Array:
-    """The inverse of :func:`to_pair_layout`."""
-    pairs = x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
-    return _xp(x).concatenate([pairs[..., 0], pairs[..., 1]], axis=-1)
+def to_pair_layout(x: jax.Array, pairs: int = 1) -> jax.Array:
+    """x float[..., d] (rotate-half layout) -> float[..., d] in pair layout with ``pairs`` (P) RoPE
+    pairs per sub-space of 2P dims: pair m + p * d/(2P) at dims 2(mP + p), 2(mP + p) + 1."""
+    d = x.shape[-1]
+    p = _pairs_per_subspace(d, pairs)
+    xp = _xp(x)
+    half = d // 2
+    out = xp.stack([x[..., :half], x[..., half:]], axis=-1)  # [..., d/2 (= P x M), 2]
+    out = out.reshape(x.shape[:-1] + (p, half // p, 2))
+    return xp.swapaxes(out, -3, -2).reshape(x.shape)
+
+
+def from_pair_layout(x: jax.Array, pairs: int = 1) -> jax.Array:
+    """The inverse of :func:`to_pair_layout` (same ``pairs``)."""
+    d = x.shape[-1]
+    p = _pairs_per_subspace(d, pairs)
+    xp = _xp(x)
+    half = d // 2
+    out = xp.swapaxes(x.reshape(x.shape[:-1] + (half // p, p, 2)), -3, -2).reshape(x.shape[:-1] + (half, 2))
+    return xp.concatenate([out[..., 0], out[..., 1]], axis=-1)
+
+
+def subspace_freqs(inv_freq, pairs: int = 1) -> np.ndarray:
+    """inv_freq float[d/2] (natural pair order) -> float32[M, P]: the frequency of pair p of
+    sub-space m in :func:`to_pair_layout` (inv_freq[m + p M], M = d / 2P)."""
+    inv = np.asarray(inv_freq, np.float32)
+    p = _pairs_per_subspace(2 * inv.shape[-1], pairs)
+    return np.ascontiguousarray(inv.reshape(p, inv.shape[-1] // p).T)

@@ -94,10 +94,11 @@ def pq_decode_attention(
         (MILLION's LUT sum; see `pq_kernel`'s docstring).
       precision: "bf16" (bf16 dot operands, fp32 accumulation; default) or "fp32".
       interpret: run the kernel in Pallas interpret mode (CPU, tests).
-      rope_inv_freq: float32[M] or None (default: keys quantized after RoPE). Keys quantized
-        before RoPE: key sub-space m is RoPE pair m (dsub = 2, head dims in pair layout, q
-        rotated at its own position already), code row t is the key of position t, rotated
-        here by t * rope_inv_freq[m] (rotate-half convention; exact fixed-point angles,
+      rope_inv_freq: float32[M] or [M, P], or None (default: keys quantized after RoPE). Keys
+        quantized before RoPE: key sub-space m is P = dsub / 2 whole RoPE pairs (head dims in
+        pair layout, `million_jax.rope.to_pair_layout`; q rotated at its own position already),
+        code row t is the key of position t, pair p of sub-space m rotated here by
+        t * rope_inv_freq[m, p] (rotate-half convention; exact fixed-point angles,
         `pq_math.rope_phase`). key_path="centroid" only, M >= 16.
       k_scales, v_scales: float[B, Hkv, T] or None: a per-token factor of each stored key (it
         multiplies the token's score) / value (TurboQuant's norms; keys and values each or not).
@@ -167,9 +168,11 @@ def pq_decode_attention_planned(
 
     q_grouped = (q.astype(jnp.float32) * scale).reshape(batch, hkv, group, head_dim)
     q_padded = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
-    if rope:  # [B, Hkv, 2, block_h, M]: pair components apart (the kernel cannot slice loaded values)
-        q_padded = jnp.moveaxis(q_padded.reshape(batch, hkv, block_h, head_dim // 2, 2), -1, 2)
-        q_spec = pl.BlockSpec((None, None, 2, block_h, head_dim // 2), lambda b, h, s: (b, h, 0, 0, 0))
+    pairs = dims.sub_dim // 2 if rope else 1  # RoPE pairs per key sub-space
+    if rope:  # [B, Hkv, 2, P, block_h, M]: pair components and pairs apart (the kernel cannot slice loaded values)
+        n_sub = dims.num_subspaces
+        q_padded = q_padded.reshape(batch, hkv, block_h, n_sub, pairs, 2).transpose(0, 1, 5, 4, 2, 3)
+        q_spec = pl.BlockSpec((None, None, 2, pairs, block_h, n_sub), lambda b, h, s: (b, h, 0, 0, 0, 0))
     else:
         q_spec = pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0))
     start = jnp.clip(start.astype(jnp.int32), 0, dims.seq_len)
@@ -204,9 +207,10 @@ def pq_decode_attention_planned(
     codes_spec = lambda c: pl.BlockSpec((None, None, t_len, c.shape[-1]), lambda b, h, s: (b, h, 0, 0))  # noqa: E731
     full_b = pl.BlockSpec((batch,), lambda b, h, s: (0,))
     extra_in, extra_specs = [], []
-    if rope:
-        extra_in.append(jnp.stack(rope_turns(rope_inv_freq)))  # uint32[2, M]
-        extra_specs.append(pl.BlockSpec((2, n_sub), lambda b, h, s: (0, 0)))
+    if rope:  # uint32[2, P, M]: (hi, lo) turns of pair p of each sub-space
+        freqs = jnp.reshape(jnp.asarray(rope_inv_freq, jnp.float32), (n_sub, pairs))
+        extra_in.append(jnp.stack([x.T for x in rope_turns(freqs)]))
+        extra_specs.append(pl.BlockSpec((2, pairs, n_sub), lambda b, h, s: (0, 0, 0)))
     for x in (k_scales, v_scales):  # [B, Hkv, T] -> one row [T] per program
         if x is not None:
             extra_in.append(x)

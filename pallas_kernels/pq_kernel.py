@@ -48,17 +48,17 @@ Kernel design (grid = (B, Hkv, num_splits)):
     a second step (plain jnp, `softmax.merge_stacked`) combines the splits by log-sum-exp.
   * precision="bf16" (default): dot operands in bf16 with fp32 accumulation, the same
     arithmetic as a bf16 dense decode; "fp32": exact fp32 dots (slower, for validation).
-  * keys quantized before RoPE (``rope_inv_freq``; dsub = 2, sub-space m = RoPE pair m, code
-    row t = position t), centroid path only: score_t = q . R(t f) c_t is computed as
-    (R(-b) q) . (R(o) c_t) with t = t0 + o, b = t0 f the tile's base angle and o f the
+  * keys quantized before RoPE (``rope_inv_freq``; sub-space m = P = dsub / 2 whole RoPE
+    pairs, code row t = position t), centroid path only: score_t = q . R(t f) c_t is computed
+    as (R(-b) q) . (R(o) c_t) with t = t0 + o, b = t0 f the tile's base angle and o f the
     in-tile offset. The base cos / sin [M] are computed once per tile, the offset cos / sin
-    [block_t, M] once per program (the same for every tile), both with the exact fixed-point
-    angles of `pq_math.rope_phase` (integer ops + one cos / sin, float32, never stored); per
-    token and pair the kernel then does one 2 x 2 rotation of the gathered centroid. q comes
-    split into its even / odd pair components ([2, block_h, M]) and the score is two dots
-    (even and odd halves), since Triton cannot interleave or slice loaded values. The LUT
-    path is refused: it would gather two tables per query head and token instead of one
-    centroid per token.
+    [block_t, M] once per program (the same for every tile), both per pair slot p and with
+    the exact fixed-point angles of `pq_math.rope_phase` (integer ops + one cos / sin,
+    float32, never stored); per token and pair the kernel then does one 2 x 2 rotation of the
+    gathered centroid pair. q comes split into its even / odd pair components and pair slots
+    ([2, P, block_h, M]) and the score is two dots (even and odd halves) per pair slot, since
+    Triton cannot interleave or slice loaded values. The LUT path is refused: it would gather
+    two tables per query head and token instead of one centroid per token.
 
 Why not plain `take_along_axis` in the kernel: the Triton lowering has no gather or slice
 on loaded values; integer-array indexing of a ref (pointer arithmetic) is what lowers.
@@ -92,12 +92,12 @@ def split_range(
 def pq_attention_kernel(
     start_ref,  # int32[B]
     end_ref,  # int32[B]
-    q_ref,  # f32[block_h, d] (pre-scaled); pre-RoPE: f32[2, block_h, M] (even / odd pair components)
+    q_ref,  # f32[block_h, d] (pre-scaled); pre-RoPE: f32[2, P, block_h, M] (even / odd pair components)
     kc_ref,  # uint8[T, M], or packed uint8[T, ceil(M * k_packed_bits / 8)]
     vc_ref,  # alike for values
     ktab_ref,  # centroid: [M, Kk, dsub] key codebook; lut: f32[group, M, Kk]
     vcb_ref,  # [M, Kv, dsub] value codebook
-    *refs,  # pre-RoPE: turns_ref uint32[2, M] (`pq_math.rope_turns`); k_scaled: ks_ref f32|bf16[T];
+    *refs,  # pre-RoPE: turns_ref uint32[2, P, M] (`pq_math.rope_turns`); k_scaled: ks_ref f32|bf16[T];
     # v_scaled: vs_ref alike; then o_ref f32[block_h, d], lse_ref f32[block_h]
     rope: bool,
     block_t: int,
@@ -135,10 +135,12 @@ def pq_attention_kernel(
     dot_precision = None if precision == "bf16" else lax.Precision.HIGHEST
     t_idx = jnp.arange(block_t, dtype=jnp.int32)
     if rope:
-        q_even, q_odd = q_ref[0], q_ref[1]  # f32[block_h, M]
-        turns_hi, turns_lo = turns_ref[0], turns_ref[1]  # uint32[M]
+        pairs = q_ref.shape[1]  # RoPE pairs per key sub-space (dsub = 2 * pairs)
+        q_even = [q_ref[0, p] for p in range(pairs)]  # f32[block_h, M] per pair slot
+        q_odd = [q_ref[1, p] for p in range(pairs)]
+        turns = [(turns_ref[0, p], turns_ref[1, p]) for p in range(pairs)]  # uint32[M] (hi, lo)
         # in-tile offsets o: cos / sin of o * f, the same for every tile of the program
-        off_cos, off_sin = phase_cos_sin(rope_phase(t_idx[:, None], turns_hi[None, :], turns_lo[None, :]))
+        offsets = [phase_cos_sin(rope_phase(t_idx[:, None], hi_[None, :], lo_[None, :])) for hi_, lo_ in turns]
     else:
         q = q_ref[...].astype(dot_dtype)
     m_idx3 = jnp.arange(num_sub, dtype=jnp.int32)[None, :, None]
@@ -190,18 +192,22 @@ def pq_attention_kernel(
         if rope:
             # score = (R(-b) q) . (R(o) c): q turned back by the tile's base angle b = t0 f,
             # each gathered centroid pair turned by its in-tile offset (see the module docstring)
-            base_cos, base_sin = phase_cos_sin(rope_phase(t0, turns_hi, turns_lo))  # [M]
-            bc, bs = base_cos[None, :], base_sin[None, :]
-            u_even = (q_even * bc + q_odd * bs).astype(dot_dtype)
-            u_odd = (q_odd * bc - q_even * bs).astype(dot_dtype)
             shape = (block_t, num_sub)
             idx_m = jnp.broadcast_to(jnp.arange(num_sub, dtype=jnp.int32)[None, :], shape)
-            c_even = ktab_ref[idx_m, kc, jnp.zeros(shape, jnp.int32)].astype(jnp.float32)  # [block_t, M]
-            c_odd = ktab_ref[idx_m, kc, jnp.ones(shape, jnp.int32)].astype(jnp.float32)
-            k_even = (off_cos * c_even - off_sin * c_odd).astype(dot_dtype)
-            k_odd = (off_cos * c_odd + off_sin * c_even).astype(dot_dtype)
-            scores = triton_dot(u_even, k_even, trans_b=True, precision=dot_precision) + triton_dot(
-                u_odd, k_odd, trans_b=True, precision=dot_precision)  # [block_h, block_t]
+            scores = None
+            for p in range(pairs):  # pair slot p of every sub-space: dims 2p, 2p + 1 of its centroid
+                base_cos, base_sin = phase_cos_sin(rope_phase(t0, *turns[p]))  # [M]
+                bc, bs = base_cos[None, :], base_sin[None, :]
+                u_even = (q_even[p] * bc + q_odd[p] * bs).astype(dot_dtype)
+                u_odd = (q_odd[p] * bc - q_even[p] * bs).astype(dot_dtype)
+                c_even = ktab_ref[idx_m, kc, jnp.full(shape, 2 * p, jnp.int32)].astype(jnp.float32)  # [block_t, M]
+                c_odd = ktab_ref[idx_m, kc, jnp.full(shape, 2 * p + 1, jnp.int32)].astype(jnp.float32)
+                off_cos, off_sin = offsets[p]
+                k_even = (off_cos * c_even - off_sin * c_odd).astype(dot_dtype)
+                k_odd = (off_cos * c_odd + off_sin * c_even).astype(dot_dtype)
+                part = triton_dot(u_even, k_even, trans_b=True, precision=dot_precision) + triton_dot(
+                    u_odd, k_odd, trans_b=True, precision=dot_precision)  # [block_h, block_t]
+                scores = part if scores is None else scores + part
         elif key_path == "centroid":
             k_hat = dequantise(ktab_ref, kc).astype(dot_dtype)
             scores = triton_dot(q, k_hat, trans_b=True, precision=dot_precision)  # [block_h, block_t]

@@ -8,14 +8,17 @@ one codebook per KV head, or ``G = 1`` shared) that broadcast against the codes'
     build_lut          LUT[m, j] = q_m . C_m[j] for each query row (MILLION's lookup table)
     lut_scores         score = sum_m LUT[m, code_m] for each key (no dequantization)
 
-Keys quantized *before* RoPE (pre-RoPE codebooks; dsub = 2, sub-space m = RoPE pair m, the
-caller's head dims permuted so the pair is adjacent). Stored code row t is the key of absolute
-position t; its pair m is rotated by the angle t * inv_freq[m] in rotate-half convention,
+Keys quantized *before* RoPE (pre-RoPE codebooks; each sub-space is P whole RoPE pairs,
+dsub = 2P, the caller's head dims permuted so each pair is adjacent; frequencies float32[M] for
+P = 1 or [M, P], pair p of sub-space m). Stored code row t is the key of absolute position t;
+each of its pairs is rotated by the angle t * inv_freq of that pair in rotate-half convention,
 R(a) c = cos(a) c + sin(a) J c with J (c1, c2) = (-c2, c1). For a query q (rotated at its own
-position already): q_m . R(a) c = cos(a) (q_m . c) + sin(a) (q_m . J c), i.e. two tables:
+position already): q_i . R(a) c_i = cos(a) (q_i . c_i) + sin(a) (q_i . J c_i) for each pair i,
+i.e. two tables over the M * P pairs (a sub-space's code picks the entry of each of its pairs):
 
+    pair_subspaces     centroids [M, K, 2P] -> [M * P, K, 2]: one table row per pair
     quarter_turn       J c for every centroid (so build_lut(q, quarter_turn(C)) is the q.Jc table)
-    rope_lut_scores    score = sum_m cos_tm LUT[m, code_m] + sin_tm LUTJ[m, code_m]
+    rope_lut_scores    score = sum_i cos_ti LUT[i, code_m(i)] + sin_ti LUTJ[i, code_m(i)]
     rotate_pairs       R(a) applied pair-wise (dequantized keys of a tile, the kernel's tiles)
     rope_turns         inv_freq -> turns per position as 64-bit fixed point (hi, lo uint32)
     rope_phase         position -> angle mod 2 pi as uint32 turns, exact integer arithmetic
@@ -45,7 +48,8 @@ import numpy as np
 from jax import lax
 
 __all__ = ["gather_centroids", "build_lut", "lut_scores", "quarter_turn", "rope_lut_scores", "rotate_pairs",
-           "rope_turns", "rope_phase", "phase_cos_sin", "rope_cos_sin", "check_rope_inv_freq"]
+           "rope_turns", "rope_phase", "phase_cos_sin", "rope_cos_sin", "check_rope_inv_freq", "pair_subspaces",
+           "pair_freqs"]
 
 
 def gather_centroids(centroids: jax.Array, codes: jax.Array) -> jax.Array:
@@ -102,6 +106,21 @@ def lut_scores(lut: jax.Array, codes: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------- pre-RoPE keys
 
 
+def pair_subspaces(centroids: jax.Array) -> jax.Array:
+    """Pre-RoPE key centroids float[..., M, K, 2P] -> float32[..., M * P, K, 2]: pair p of
+    sub-space m as sub-space m * P + p (the tables of `rope_lut_scores` have one row per pair)."""
+    *lead, m, k, dsub = centroids.shape
+    if dsub % 2:
+        raise ValueError(f"pre-RoPE key centroids are whole RoPE pairs (even dsub), got dsub {dsub}")
+    c = centroids.astype(jnp.float32).reshape(*lead, m, k, dsub // 2, 2)
+    return jnp.swapaxes(c, -3, -2).reshape(*lead, m * (dsub // 2), k, 2)
+
+
+def pair_freqs(rope_inv_freq: jax.Array) -> jax.Array:
+    """float32[M] or [M, P] (pair p of sub-space m) -> float32[M * P], pairs in layout order."""
+    return jnp.reshape(jnp.asarray(rope_inv_freq, jnp.float32), (-1,))
+
+
 def quarter_turn(centroids: jax.Array) -> jax.Array:
     """J c = (-c2, c1) for pair sub-vectors: centroids float[..., 2] -> float32[..., 2]."""
     if centroids.shape[-1] != 2:
@@ -111,13 +130,19 @@ def quarter_turn(centroids: jax.Array) -> jax.Array:
 
 
 def rope_lut_scores(lut: jax.Array, lut_j: jax.Array, codes: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """scores[b, h, r, n] = sum_m cos[n, m] lut[.., m, c_nm] + sin[n, m] lut_j[.., m, c_nm].
+    """scores[b, h, r, n] = sum_i cos[n, i] lut[.., i, c_n,i//P] + sin[n, i] lut_j[.., i, c_n,i//P].
 
-    lut, lut_j: f32[B, Hkv, R, M, K] (q.c and q.Jc: `build_lut` with the centroids and with
-    `quarter_turn` of them); codes: int[B, Hkv, N, M]; cos, sin: f32[N, M] or [B, N, M] (the
-    rotation of key row n). Returns f32[B, Hkv, R, N] (= q . R(angle_n) c_n).
+    lut, lut_j: f32[B, Hkv, R, M * P, K], one row per RoPE pair (q.c and q.Jc: `build_lut` with
+    `pair_subspaces` of the centroids and with `quarter_turn` of those); codes: int[B, Hkv, N, M]
+    (pair i read by code i // P); cos, sin: f32[N, M * P] or [B, N, M * P] (the rotation of each
+    pair of key row n). Returns f32[B, Hkv, R, N] (= q . R(angles_n) c_n).
     """
-    idx = jnp.swapaxes(codes.astype(jnp.int32), -1, -2)[:, :, None]  # [B, Hkv, 1, M, N]
+    pairs = lut.shape[-2] // codes.shape[-1]
+    if pairs * codes.shape[-1] != lut.shape[-2]:
+        raise ValueError(f"a table of {lut.shape[-2]} pair rows does not fit codes of {codes.shape[-1]} sub-spaces")
+    if pairs > 1:
+        codes = jnp.repeat(codes, pairs, axis=-1)
+    idx = jnp.swapaxes(codes.astype(jnp.int32), -1, -2)[:, :, None]  # [B, Hkv, 1, M * P, N]
     idx = jnp.broadcast_to(idx, lut.shape[:3] + idx.shape[3:])
     pick = lambda t: jnp.take_along_axis(t, idx, axis=-1, mode="clip")  # noqa: E731  [B, Hkv, R, M, N]
     cs = jnp.swapaxes(cos, -1, -2)  # [(B,) M, N]
@@ -136,21 +161,26 @@ def rotate_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def check_rope_inv_freq(rope_inv_freq, num_subspaces: int, sub_dim: int) -> None:
-    """ValueError unless ``rope_inv_freq`` is float[M] for a key codebook of M RoPE-pair sub-spaces."""
-    if sub_dim != 2:
-        raise ValueError(f"rope_inv_freq (keys quantized before RoPE) needs key sub-spaces that are RoPE pairs "
-                         f"(dsub = 2), got dsub {sub_dim}")
+    """ValueError unless ``rope_inv_freq`` fits a key codebook of M sub-spaces of P = dsub / 2 whole
+    RoPE pairs: float[M] (P = 1) or float[M, P]."""
+    if sub_dim % 2:
+        raise ValueError(f"rope_inv_freq (keys quantized before RoPE) needs key sub-spaces of whole RoPE pairs "
+                         f"(even dsub), got dsub {sub_dim}")
+    pairs = sub_dim // 2
     shape = tuple(getattr(rope_inv_freq, "shape", ()))
     dtype = getattr(rope_inv_freq, "dtype", None)
-    if shape != (num_subspaces,) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"rope_inv_freq must be float32[M={num_subspaces}] (one frequency per key sub-space), "
+    fits = shape == (num_subspaces, pairs) or (pairs == 1 and shape == (num_subspaces,))
+    if not fits or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        want = f"float32[M={num_subspaces}]" if pairs == 1 else f"float32[M={num_subspaces}, P={pairs}]"
+        raise ValueError(f"rope_inv_freq must be {want} (a frequency per RoPE pair of each key sub-space), "
                          f"got {dtype}{list(shape)}")
     if not isinstance(rope_inv_freq, jax.core.Tracer):  # concrete: the values can be checked too
-        vals = np.asarray(rope_inv_freq, np.float64)
+        vals = np.asarray(rope_inv_freq, np.float64).reshape(-1)
         if not (np.isfinite(vals).all() and (vals > 0).all()):
             bad = int(np.flatnonzero(~(np.isfinite(vals) & (vals > 0)))[0])
+            where = f"sub-space {bad}" if pairs == 1 else f"sub-space {bad // pairs}, pair {bad % pairs}"
             raise ValueError(f"rope_inv_freq must be finite and > 0 (RoPE inverse frequencies), got {float(vals[bad]):.6g} "
-                             f"at sub-space {bad}")
+                             f"at {where}")
 
 
 # 2 / pi in binary, 24 bits per entry (fdlibm's ipio2 table): 1 / (2 pi) = this / 4.

@@ -20,6 +20,8 @@ from pallas_kernels.pq_math import (
     check_rope_inv_freq,
     gather_centroids,
     lut_scores,
+    pair_freqs,
+    pair_subspaces,
     quarter_turn,
     rope_cos_sin,
     rope_lut_scores,
@@ -46,7 +48,7 @@ def pq_decode_attention_reference(
     score = scale * sum_m LUT[m, code_m] (`pq_math.lut_scores`), values = the value centroids
     the codes name (`pq_math.gather_centroids`), masked softmax over start[b] <= t < end[b]
     (`softmax.softmax_attention`). Pre-RoPE keys (``rope_inv_freq``): the two tables q.c and
-    q.Jc and score = scale * sum_m cos_tm LUT + sin_tm LUTJ (`pq_math.rope_lut_scores`), the
+    q.Jc per RoPE pair and score = scale * sum_i cos_ti LUT + sin_ti LUTJ (`pq_math.rope_lut_scores`), the
     angles of row t from `pq_math.rope_cos_sin`. Per-token scales multiply row t's score
     (``k_scales``) and its value (``v_scales``); codes in a layout of parts are unpacked part by
     part (`code_packing.unpack_parts`).
@@ -61,15 +63,17 @@ def pq_decode_attention_reference(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
     q_grouped = q.astype(jnp.float32).reshape(batch, hkv, group, head_dim)
-    lut = build_lut(q_grouped, k_codebooks)  # [B, Hkv, group, M, Kk]
     k_codes = _unpacked(k_codes, dims.layout("k"))
     v_codes = _unpacked(v_codes, dims.layout("v"))
     if rope_inv_freq is None:
+        lut = build_lut(q_grouped, k_codebooks)  # [B, Hkv, group, M, Kk]
         scores = scale * lut_scores(lut, k_codes)  # [B, Hkv, group, T]
     else:
         check_rope_inv_freq(rope_inv_freq, dims.num_subspaces, dims.sub_dim)
-        lut_j = build_lut(q_grouped, quarter_turn(k_codebooks))
-        cos, sin = rope_cos_sin(jnp.arange(t_len, dtype=jnp.int32), rope_inv_freq)  # [T, M]
+        pairs = pair_subspaces(k_codebooks)  # [G, M * P, Kk, 2]: one table row per RoPE pair
+        lut = build_lut(q_grouped, pairs)
+        lut_j = build_lut(q_grouped, quarter_turn(pairs))
+        cos, sin = rope_cos_sin(jnp.arange(t_len, dtype=jnp.int32), pair_freqs(rope_inv_freq))  # [T, M * P]
         scores = scale * rope_lut_scores(lut, lut_j, k_codes, cos, sin)
     if k_scales is not None:
         scores = scores * k_scales.astype(jnp.float32)[:, :, None, :]

@@ -84,8 +84,8 @@ def check_rope_support(dims: PQDims, key_path: str) -> None:
     if key_path != "centroid":
         raise ValueError("pre-RoPE keys (rope_inv_freq) run on key_path='centroid' only: the LUT path would "
                          "gather two tables per query head and token (use the XLA path for the LUT form)")
-    if dims.sub_dim != 2:
-        raise ValueError(f"pre-RoPE keys need one sub-space per RoPE pair (dsub = 2), got dsub {dims.sub_dim}")
+    if dims.sub_dim % 2:
+        raise ValueError(f"pre-RoPE keys need sub-spaces of whole RoPE pairs (even dsub), got dsub {dims.sub_dim}")
     if dims.num_subspaces < MIN_BLOCK_T:
-        raise ValueError(f"pre-RoPE keys need M = head_dim / 2 >= {MIN_BLOCK_T} in the kernel (tl.dot over the "
+        raise ValueError(f"pre-RoPE keys need M >= {MIN_BLOCK_T} sub-spaces in the kernel (tl.dot over the "
                          f"pair halves), got M={dims.num_subspaces}; use the XLA path")

@@ -82,10 +82,11 @@ def rope_arg(p: argparse.ArgumentParser, default: str | None = DEFAULT_KEY_ROPE,
 
 
 def check_rope_subspaces(rope: str, M: int, head_dim: int) -> None:
-    """UsageError unless ``M`` sub-spaces suit keys quantized ``rope`` RoPE (pre: one per pair)."""
-    if rope == "pre" and M != head_dim // 2:
-        raise UsageError(f"--rope pre quantizes keys per RoPE pair: --M must be head_dim / 2 = {head_dim // 2} "
-                         f"(got {M}); set the budget with --nbits, or use --rope post")
+    """UsageError unless ``M`` sub-spaces suit keys quantized ``rope`` RoPE (pre: whole RoPE pairs each)."""
+    if rope == "pre" and (M < 1 or (head_dim // 2) % M):
+        raise UsageError(f"--rope pre quantizes keys in sub-spaces of whole RoPE pairs: --M must divide head_dim / 2 "
+                         f"= {head_dim // 2} ({head_dim // 2}: one pair each, {head_dim // 4}: two) (got {M}); set the "
+                         "budget with --nbits, or use --rope post")
 
 
 def force_arg(p: argparse.ArgumentParser, outputs: str) -> None:

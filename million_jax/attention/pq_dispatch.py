@@ -175,8 +175,8 @@ def pq_code_attention(
     ``check_codes=False`` skips that check for callers that made it once (the PQ cache, in
     ``layer_consts``).
     scale: score scale (default 1 / sqrt(d)).
-    rope_inv_freq: float32[M] or None: keys quantized before RoPE (sub-space m = RoPE pair m,
-      code row s = absolute position s; :func:`million_jax.attention.pq_xla.pq_attention_xla`).
+    rope_inv_freq: float32[M] or [M, P], or None: keys quantized before RoPE (sub-space m = P whole
+      RoPE pairs, code row s = absolute position s; :func:`million_jax.attention.pq_xla.pq_attention_xla`).
     k_scales, v_scales: float[B, Hkv, N, 1] (arrays or LayerSlices) or None: per-token factors of
       each stored key's score / value (norm-explicit PQ); the kernel takes them as its per-token scales.
     Returns (out f32[B, T, H, d], lse f32[B, T, H]), 0 / -inf for a query that sees nothing.

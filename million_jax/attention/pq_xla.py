@@ -18,12 +18,13 @@ Shapes (one layer):
     v_codes:      alike with Mv (keys and values may have different M and nbits)
     k_centroids:  float[G, Mk, Kk, d / Mk], G in {1, Hkv}   (v_centroids: [G, Mv, Kv, d / Mv])
     lo, hi:       int32[B, T]   query t of sequence b sees tokens lo <= s < hi
-    rope_inv_freq: float32[Mk] or None. None: keys quantized after RoPE (MILLION). Else the
-                  keys were quantized before RoPE, key sub-space m is RoPE pair m (dsub = 2,
-                  pair layout) and stored row s is the key of absolute position s: its pair m
-                  is rotated by s * rope_inv_freq[m] here (q is rotated at its own position
-                  already). With the LUT: two tables (q.c, q.Jc) and
-                  score = sum_m cos LUT + sin LUTJ; with the matmul: the tile's decoded keys
+    rope_inv_freq: float32[Mk] or [Mk, P], or None. None: keys quantized after RoPE (MILLION).
+                  Else the keys were quantized before RoPE, key sub-space m is P whole RoPE
+                  pairs (dsub = 2P, pair layout, :func:`million_jax.rope.to_pair_layout`) and
+                  stored row s is the key of absolute position s: pair p of its sub-space m is
+                  rotated by s * rope_inv_freq[m, p] here (q is rotated at its own position
+                  already). With the LUT: two tables (q.c, q.Jc) per pair and
+                  score = sum_pairs cos LUT + sin LUTJ; with the matmul: the tile's decoded keys
                   rotated (`pallas_kernels.pq_math`, exact fixed-point angles).
     k_scales, v_scales: float[B, Hkv, N, 1] or None: a per-token factor of each stored key's
                   score / value (norm-explicit PQ, :mod:`million_jax.quant.kv_codebooks`).
@@ -43,6 +44,8 @@ from pallas_kernels.pq_math import (
     check_rope_inv_freq,
     gather_centroids,
     lut_scores,
+    pair_freqs,
+    pair_subspaces,
     phase_cos_sin,
     quarter_turn,
     rope_lut_scores,
@@ -109,11 +112,15 @@ def pq_attention_xla(
     grp = h // hkv
     tile = max(1, min(tile, n))
     use_lut = t <= LUT_MAX_QUERIES
-    lut = build_lut(qg.reshape(b, hkv, grp * t, d), k_centroids) if use_lut else None
-    if rope_inv_freq is not None:
+    rows_q = qg.reshape(b, hkv, grp * t, d)
+    if rope_inv_freq is None:
+        lut = build_lut(rows_q, k_centroids) if use_lut else None
+    else:
         check_rope_inv_freq(rope_inv_freq, k_centroids.shape[1], k_centroids.shape[3])
-        turns = rope_turns(rope_inv_freq)  # once per call; each tile's angles from its positions
-        lut_j = build_lut(qg.reshape(b, hkv, grp * t, d), quarter_turn(k_centroids)) if use_lut else None
+        turns = rope_turns(pair_freqs(rope_inv_freq))  # once per call; each tile's angles from its positions
+        pairs = pair_subspaces(k_centroids)  # [G, Mk * P, Kk, 2]: one table row per RoPE pair
+        lut = build_lut(rows_q, pairs) if use_lut else None
+        lut_j = build_lut(rows_q, quarter_turn(pairs)) if use_lut else None
 
     def key_scores(kc_tile, rows, start):
         if rope_inv_freq is None:
@@ -121,7 +128,7 @@ def pq_attention_xla(
                 return lut_scores(lut, kc_tile).reshape(b, hkv, grp, t, -1)
             return einsum_f32("bkgtd,bksd->bkgts", qg, gather_centroids(k_centroids, kc_tile))
         pos = start + jnp.arange(rows, dtype=jnp.int32)
-        cos, sin = phase_cos_sin(rope_phase(pos[:, None], *turns))  # [rows, Mk]
+        cos, sin = phase_cos_sin(rope_phase(pos[:, None], *turns))  # [rows, Mk * P]
         if use_lut:
             return rope_lut_scores(lut, lut_j, kc_tile, cos, sin).reshape(b, hkv, grp, t, -1)
         keys = rotate_pairs(gather_centroids(k_centroids, kc_tile), cos, sin)

@@ -148,8 +148,8 @@ def fit_kv_codebooks(
     subsampled with their vectors; None: every vector counts once.
 
     ``rope_inv_freq`` float[d/2]: ``keys`` are *pre-RoPE* keys (``collect_kv(...,
-    rope_inv_freq=...)``); the key codebooks get one sub-space per RoPE pair (so ``M`` must be
-    d/2 and ``nbits`` sets the key budget: nbits / 2 bits per element) and the result is marked
+    rope_inv_freq=...)``); the key sub-spaces are whole RoPE pairs (``M`` divides d/2: M = d/2,
+    one pair each; M = d/4, pairs m and m + d/4, :func:`million_jax.rope.to_pair_layout`) and the result is marked
     ``key_rope == "pre"`` (:meth:`PQCodebooks.with_pre_rope_keys`). No key transform then.
 
     The codebook groups are fitted ``groups_per_fit`` at a time (:func:`fit_in_chunks`);
@@ -175,7 +175,7 @@ def fit_kv_codebooks(
         check_max_vectors(max_vectors, nb)
     if rope_inv_freq is not None:
         check_pre_rope_keys(keys.shape[-1], M, key_transform is not None)
-        keys = rope.to_pair_layout(keys)
+        keys = rope.to_pair_layout(keys, keys.shape[-1] // (2 * M))  # sub-spaces of whole RoPE pairs
     key_weights = _check_weights("key_weights", key_weights, keys.shape[:3])
     value_weights = _check_weights("value_weights", value_weights, keys.shape[:3])
     if key_transform is not None:

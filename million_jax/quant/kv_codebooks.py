@@ -24,8 +24,9 @@ values) are stored as one codebook of S * M sub-spaces, float32[L, G, S * M, K, 
 ``key_M`` / ``value_M`` count the codes of all stages (what the cache stores per token).
 
 ``rope_inv_freq`` d/2 floats, static (None: keys quantized after RoPE, MILLION's choice): the keys
-were quantized *before* RoPE (:mod:`million_jax.rope`), in RoPE-pair layout, one sub-space of
-dsub = 2 per pair (key M = S * d/2); attention rotates each code row t by t * inv_freq.
+were quantized *before* RoPE (:mod:`million_jax.rope`), in RoPE-pair layout, each sub-space made
+of P = dsub / 2 whole pairs (``key_rope_pairs``; P = 1: one pair, key M = S * d/2; P = 2: pairs m
+and m + d/4); attention rotates pair i of code row t by t * inv_freq[i].
 Build them with :meth:`PQCodebooks.with_pre_rope_keys`. A key transform does not commute with
 the rotation and is refused with pre-RoPE keys; residual stages do (the rotation is linear).
 
@@ -48,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from million_jax import rope
 from million_jax.quant.kv_transforms import check_transform, inverse, inverse_transpose
 from million_jax.quant.pq import Codebooks
 from million_jax.quant.residual_pq import check_stages
@@ -70,14 +72,14 @@ def unit_vectors(x):
 
 def check_pre_rope_keys(head_dim: int, key_M: int, has_key_transform: bool) -> None:
     """ValueError unless keys of ``head_dim`` can be quantized before RoPE with ``key_M``
-    sub-spaces per stage (one per RoPE pair: key_M = head_dim / 2) and no key transform."""
+    sub-spaces per stage (whole RoPE pairs each: key_M divides head_dim / 2) and no key transform."""
     if has_key_transform:
         raise ValueError("a key transform (query-aware keys) does not commute with RoPE: it cannot be used "
                          "with keys quantized before RoPE (rope 'pre'); use rope 'post' or drop the transform")
-    if key_M != head_dim // 2:
-        raise ValueError(f"pre-RoPE keys use one sub-space per RoPE pair: key M must be head_dim / 2 = "
-                         f"{head_dim // 2} per stage, got {key_M} (the key budget is set by nbits: "
-                         "nbits / 2 bits per element)")
+    if key_M < 1 or head_dim % 2 or (head_dim // 2) % key_M:
+        raise ValueError(f"pre-RoPE keys use sub-spaces of whole RoPE pairs: key M must divide head_dim / 2 = "
+                         f"{head_dim // 2} per stage (M = {head_dim // 2}: one pair each, {head_dim // 4}: two), "
+                         f"got {key_M}")
 
 
 _GROUP_RANK = {"shared": 0, "layer": 1, "layer_head": 2}
@@ -169,7 +171,8 @@ class PQCodebooks:
         """These codebooks with keys marked as quantized before RoPE in RoPE-pair layout.
 
         rope_inv_freq: float[d/2], the model's frequencies (``million_jax.rope.rope_inv_freq``).
-        The key codebooks must have one sub-space per RoPE pair (dsub = 2).
+        The key sub-spaces must be whole RoPE pairs (dsub = 2P, ``million_jax.rope.to_pair_layout``
+        with P pairs).
         """
         check_pre_rope_keys(self.head_dim, self.key_M // self.stages, self.key_transform is not None)
         inv = np.asarray(rope_inv_freq, np.float32)
@@ -207,16 +210,22 @@ class PQCodebooks:
                              f"model's ({detail}; rope_theta or rope scaling differ): calibrate them for this model")
 
     @property
+    def key_rope_pairs(self) -> int:
+        """RoPE pairs per key sub-space of pre-RoPE keys (dsub / 2; 1 for post-RoPE keys)."""
+        return 1 if self.rope_inv_freq is None else self.key.dsub // 2
+
+    @property
     def key_rope(self) -> str:
         """"pre" (keys quantized before RoPE, RoPE-pair sub-spaces) or "post" (MILLION's choice)."""
         return "post" if self.rope_inv_freq is None else "pre"
 
     def key_subspace_freqs(self) -> jax.Array | None:
-        """float32[S * M]: the RoPE frequency of each key sub-space as attention reads the stacked
-        stages (None for post-RoPE keys)."""
+        """float32[S * M, P]: the RoPE frequency of pair p of each key sub-space as attention reads
+        the stacked stages (``million_jax.rope.subspace_freqs``; None for post-RoPE keys)."""
         if self.rope_inv_freq is None:
             return None
-        return jnp.tile(jnp.asarray(self.rope_inv_freq, jnp.float32), self.stages)  # a constant under jit
+        freqs = rope.subspace_freqs(self.rope_inv_freq, self.key_rope_pairs)
+        return jnp.tile(jnp.asarray(freqs), (self.stages, 1))  # a constant under jit
 
     def compact(self) -> tuple[Codebooks, Codebooks]:
         """(key, value) in the fitted form of the granularity (what a codebook file holds)."""
@@ -281,7 +290,7 @@ class PQCodebooks:
         if self.stages > 1:
             name += f" r{self.stages}"
         if self.rope_inv_freq is not None:
-            name += " pre"
+            name += " pre" + (f" g{self.key_rope_pairs}" if self.key_rope_pairs > 1 else "")
         if self.key_norms or self.value_norms:
             name += " n" + "k" * self.key_norms + "v" * self.value_norms + "u" * self.unit_codes
         return name

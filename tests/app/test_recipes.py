@@ -87,8 +87,9 @@ def test_calibration_on_several_window_lengths(cli, tiny_dir, tiny, tmp_path):
 def test_calibrate_rope_pre_refuses_other_subspaces_and_1_bit(cli, tiny_dir, tmp_path, error_line):
     base = ("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "512", "--out",
             tmp_path / "x.safetensors")
-    res = cli(*base, "--M", "4")
-    assert res.rc == 2 and "--rope pre quantizes keys per RoPE pair: --M must be head_dim / 2" in error_line(res)
+    res = cli(*base, "--M", "16")
+    assert res.rc == 2 and "--rope pre quantizes keys in sub-spaces of whole RoPE pairs: --M must divide head_dim / 2" \
+        in error_line(res)
     res = cli(*base, "--bits", "1", "--rope", "pre")
     assert res.rc == 2 and "--bits with --rope pre must be one of [2, 3, 4], got 1 (--rope post has one)" in \
         error_line(res)

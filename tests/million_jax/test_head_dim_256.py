@@ -136,12 +136,14 @@ def test_dispatch_runs_the_kernel_at_d256_one_kv_head(m, k_bits, pre):
     np.testing.assert_allclose(np.asarray(kernel[0]), np.asarray(run(*args, impl="xla")[0]), atol=5e-2)
 
 
-def test_dispatch_names_why_pre_rope_dsub4_cannot_run():
+def test_dispatch_plans_pre_rope_pair_groups_and_names_why_few_subspaces_cannot_run():
     rng = np.random.default_rng(3)
-    x = make(rng, 1, 1, 20, 64, 8, 8, pre=False)
-    args = args_of(x, np.zeros((1, 1), np.int32), np.full((1, 1), 20, np.int32))
+    lo, hi = np.zeros((1, 1), np.int32), np.full((1, 1), 20, np.int32)
+    args = args_of(make(rng, 1, 1, 20, 64, 8, 8, pre=False), lo, hi)
     assert kernel_plan("pallas", *args[:5]) is not None  # after RoPE, dsub 4 runs
-    with pytest.raises(ValueError, match=r"impl='pallas' cannot run: .*dsub = 2"):
+    assert kernel_plan("pallas", *args[:5], rope=True).rope  # before RoPE: two pairs per sub-space
+    args = args_of(make(rng, 1, 1, 20, 8, 8, 8, pre=False), lo, hi)  # 16 pairs per sub-space, M = 8
+    with pytest.raises(ValueError, match=r"impl='pallas' cannot run: .*M >= 16 sub-spaces"):
         kernel_plan("pallas", *args[:5], rope=True)
 
 

@@ -13,25 +13,28 @@ from test_pq_cache import _reference
 B, HKV, G, D, T_MAX = 2, 2, 2, 32, 24
 
 
-def _setup(rng, nbits=4, stages=1, value_dsub=2):
-    inv = rope.rope_inv_freq(D, 50.0)  # fast pairs: the rotation matters within T_MAX tokens
-    m = stages * D // 2
-    kc = rng.standard_normal((1, HKV, m, 2**nbits, 2)).astype(np.float32)
-    vc = rng.standard_normal((1, HKV, D // value_dsub * stages, 2**nbits, value_dsub)).astype(np.float32)
+def _setup(rng, nbits=4, stages=1, value_dsub=2, pairs=1, d=D):
+    """Codebooks with ``pairs`` RoPE pairs per key sub-space, and what the cache should read."""
+    inv = rope.rope_inv_freq(d, 50.0)  # fast pairs: the rotation matters within T_MAX tokens
+    m = stages * d // (2 * pairs)
+    kc = rng.standard_normal((1, HKV, m, 2**nbits, 2 * pairs)).astype(np.float32)
+    vc = rng.standard_normal((1, HKV, d // value_dsub * stages, 2**nbits, value_dsub)).astype(np.float32)
     books = PQCodebooks.from_centroids(kc, vc, "layer_head", num_layers=1, stages=stages).with_pre_rope_keys(inv)
-    k_pre = rng.standard_normal((B, HKV, T_MAX, D)).astype(np.float32)
+    assert books.key_rope_pairs == pairs
+    k_pre = rng.standard_normal((B, HKV, T_MAX, d)).astype(np.float32)
     cos, sin = rope.rope_cos_sin(np.arange(T_MAX), inv)
     k_post = np.asarray(rope.rotate(k_pre, cos, sin))
-    v = rng.standard_normal((B, HKV, T_MAX, D)).astype(np.float32)
-    q = rng.standard_normal((B, T_MAX, HKV * G, D)).astype(np.float32)
+    v = rng.standard_normal((B, HKV, T_MAX, d)).astype(np.float32)
+    q = rng.standard_normal((B, T_MAX, HKV * G, d)).astype(np.float32)
     # what the cache should read: pre-RoPE keys through PQ (pair layout), rotated to their position
     kcb = Codebooks(np.asarray(books.key.centroids[0]))
-    pre_pairs = rope.to_pair_layout(k_pre)
+    pre_pairs = rope.to_pair_layout(k_pre, pairs)
     if stages == 1:
-        kq_pre = np.asarray(rope.from_pair_layout(decode(kcb, encode(kcb, pre_pairs))))
+        kq_pre = np.asarray(rope.from_pair_layout(decode(kcb, encode(kcb, pre_pairs)), pairs))
     else:
         from million_jax.quant.residual_pq import decode_stages, encode_stages
-        kq_pre = np.asarray(rope.from_pair_layout(decode_stages(kcb, encode_stages(kcb, pre_pairs, stages), stages)))
+        kq_pre = np.asarray(rope.from_pair_layout(decode_stages(kcb, encode_stages(kcb, pre_pairs, stages), stages),
+                                                  pairs))
     kq = np.asarray(rope.rotate(kq_pre, cos, sin))
     vcb = Codebooks(np.asarray(books.value.centroids[0]))
     if stages == 1:
@@ -52,16 +55,20 @@ def _chunk(x, start, n, T, axis_tokens):
     return np.stack(out).astype(np.float32)
 
 
-@pytest.mark.parametrize("sinks, window, quantize_all, stages, value_dsub, impl", [
-    (0, 0, True, 1, 4, "xla"),
-    (2, 4, False, 1, 2, "xla"),
-    (0, 0, True, 2, 2, "xla"),
-    (2, 4, False, 1, 2, "pallas"),  # the kernel takes one M for keys and values
+@pytest.mark.parametrize("sinks, window, quantize_all, stages, value_dsub, impl, pairs, d", [
+    (0, 0, True, 1, 4, "xla", 1, D),
+    (2, 4, False, 1, 2, "xla", 1, D),
+    (0, 0, True, 2, 2, "xla", 1, D),
+    (2, 4, False, 1, 2, "pallas", 1, D),  # the kernel takes one M for keys and values
+    # two RoPE pairs per key sub-space (pq2-pre-g2): xla, residual stages, and the kernel (M >= 16)
+    (0, 0, True, 1, 4, "xla", 2, D),
+    (2, 4, False, 2, 2, "xla", 2, D),
+    (2, 4, False, 1, 4, "pallas", 2, 64),
 ])
 def test_pre_rope_cache_matches_exact_attention_over_rotated_reconstructions(sinks, window, quantize_all, stages,
-                                                                            value_dsub, impl):
-    rng = np.random.default_rng(7 + stages)
-    books, q, k_post, v, kq, vq = _setup(rng, stages=stages, value_dsub=value_dsub)
+                                                                            value_dsub, impl, pairs, d):
+    rng = np.random.default_rng(7 + stages + 10 * pairs)
+    books, q, k_post, v, kq, vq = _setup(rng, stages=stages, value_dsub=value_dsub, pairs=pairs, d=d)
     cache = PQCache.for_codebooks(books, B, HKV, T_MAX, window=window, sinks=sinks, dtype=jnp.float32,
                                   quantize_all=quantize_all, impl=impl)
     prompt = np.array([5, 11], np.int32)

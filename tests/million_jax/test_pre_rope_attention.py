@@ -1,7 +1,9 @@
 """Attention from pre-RoPE key codes (issue 24) in the xla tile walk and through the dispatch.
 
 Keys quantized before RoPE: key sub-space m (dsub = 2) is RoPE pair m, code row s is the key of
-position s, rotated by s * inv_freq[m] (rotate-half); q comes rotated. Compared with attention
+position s, rotated by s * inv_freq[m] (rotate-half); q comes rotated. With P pairs per
+sub-space (dsub = 2P) the frequencies are [M, P] and pair p of sub-space m turns by
+s * inv_freq[m, p]. Compared with attention
 over RoPE(decode(codes)) in NumPy float64 on fresh random inputs.
 """
 from __future__ import annotations
@@ -24,17 +26,19 @@ from pallas_kernels.code_packing import pack_codes
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def make(rng, b, t, h, hkv, d, n, k_bits=8, v_m=None, packed=False):
-    m, v_m = d // 2, v_m or d // 2
+def make(rng, b, t, h, hkv, d, n, k_bits=8, v_m=None, packed=False, pairs=1):
+    m = d // (2 * pairs)
+    v_m = v_m or m
+    f = (1.0 / 10000 ** (np.arange(m * pairs) / (m * pairs)) * rng.uniform(0.7, 1.0, m * pairs)).astype(np.float32)
     kc = rng.integers(0, 2**k_bits, (b, hkv, n, m)).astype(np.uint8)
     vc = rng.integers(0, 256, (b, hkv, n, v_m)).astype(np.uint8)
     return dict(
         q=rng.standard_normal((b, t, h, d)).astype(np.float32),
         k_codes=kc, v_codes=vc,
-        k_books=rng.standard_normal((hkv, m, 2**k_bits, 2)).astype(np.float32),
+        k_books=rng.standard_normal((hkv, m, 2**k_bits, 2 * pairs)).astype(np.float32),
         v_books=rng.standard_normal((1, v_m, 256, d // v_m)).astype(np.float32),
         stored_k=np.asarray(pack_codes(jnp.asarray(kc), k_bits)) if packed else kc,
-        freqs=(1.0 / 10000 ** (np.arange(m) / m) * rng.uniform(0.7, 1.0, m)).astype(np.float32),
+        freqs=f if pairs == 1 else f.reshape(pairs, m).T.copy(),  # [M] or [M, P]
     )
 
 
@@ -43,9 +47,11 @@ def oracle(x, lo, hi):
     q, kc, vc, kb, vb = (np.asarray(x[k]) for k in ("q", "k_codes", "v_codes", "k_books", "v_books"))
     b, t, h, d = q.shape
     hkv, n, m = kc.shape[1], kc.shape[2], kc.shape[3]
-    ang = np.arange(n, dtype=np.float64)[:, None] * x["freqs"].astype(np.float64)[None, :]
+    f = x["freqs"].astype(np.float64).reshape(m, -1)  # [M, P]
+    ang = np.arange(n, dtype=np.float64)[:, None, None] * f[None]  # [N, M, P]
     cos, sin = np.cos(ang), np.sin(ang)
-    keys = np.stack([kb[g].astype(np.float64)[np.arange(m), kc[:, g]] for g in range(hkv)], axis=1)  # [B,Hkv,N,M,2]
+    keys = np.stack([kb[g].astype(np.float64)[np.arange(m), kc[:, g]] for g in range(hkv)], axis=1)  # [B,Hkv,N,M,2P]
+    keys = keys.reshape(keys.shape[:-1] + (f.shape[1], 2))
     k1, k2 = keys[..., 0], keys[..., 1]
     keys = np.stack([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1).reshape(b, hkv, n, d)
     vm = vc.shape[-1]
@@ -79,12 +85,15 @@ def xla(x, lo, hi, tile=64):
               rope_inv_freq=jnp.asarray(x["freqs"]))
 
 
-@pytest.mark.parametrize("t, k_bits, packed, v_m", [(1, 8, False, None), (3, 4, True, 8), (12, 6, True, None)])
-def test_xla_matches_float64_oracle(t, k_bits, packed, v_m):
+@pytest.mark.parametrize("t, k_bits, packed, v_m, pairs", [
+    (1, 8, False, None, 1), (3, 4, True, 8, 1), (12, 6, True, None, 1),
+    (1, 8, False, None, 2), (12, 6, True, 16, 2), (2, 8, False, 4, 4),  # P pairs per sub-space
+])
+def test_xla_matches_float64_oracle(t, k_bits, packed, v_m, pairs):
     """Decode (LUT: q.c and q.Jc tables) and prefill (T > 8: rotated decoded keys), ragged windows."""
-    rng = np.random.default_rng(100 * t + k_bits)
+    rng = np.random.default_rng(100 * t + k_bits + pairs)
     b, h, hkv, d, n = 3, 4, 2, 32, 150
-    x = make(rng, b, t, h, hkv, d, n, k_bits, v_m, packed)
+    x = make(rng, b, t, h, hkv, d, n, k_bits, v_m, packed, pairs)
     lo = rng.integers(0, 40, (b, t)).astype(np.int32)
     hi = rng.integers(41, n + 1, (b, t)).astype(np.int32)
     hi[0, 0], lo[1, 0], hi[1, 0] = n, 5, 5  # the full array; an empty window
@@ -100,9 +109,10 @@ def test_xla_at_positions_near_128k():
     check(xla(x, lo, hi, tile=4096), oracle(x, lo, hi))
 
 
-def test_dispatch_kernel_and_xla_agree_on_pre_rope_keys():
-    rng = np.random.default_rng(9)
-    x = make(rng, 2, 1, 4, 2, 32, 70)
+@pytest.mark.parametrize("d, pairs", [(32, 1), (64, 2)])
+def test_dispatch_kernel_and_xla_agree_on_pre_rope_keys(d, pairs):
+    rng = np.random.default_rng(9 + pairs)
+    x = make(rng, 2, 1, 4, 2, d, 70, pairs=pairs)
     lo = np.array([[0], [3]], np.int32)
     hi = np.array([[70], [41]], np.int32)
     args = tuple(jnp.asarray(a) for a in (x["q"], x["k_codes"], x["v_codes"], x["k_books"], x["v_books"], lo, hi))
@@ -112,9 +122,10 @@ def test_dispatch_kernel_and_xla_agree_on_pre_rope_keys():
     want = oracle(x, lo, hi)
     check(pq_code_attention(*args, impl="pallas", rope_inv_freq=f), want, tol=5e-2)  # bf16 dots
     check(pq_code_attention(*args, impl="xla", rope_inv_freq=f), want)
-    with pytest.raises(ValueError, match="dsub = 2"):  # keys not in RoPE pairs
-        pq_code_attention(args[0], args[1][..., :4], args[2], jnp.ones((2, 4, 256, 8)), args[4], args[5], args[6],
-                          impl="xla", rope_inv_freq=f[:4])
+    m = d // 8  # sub-spaces of 4 pairs need frequencies [M, 4]
+    with pytest.raises(ValueError, match=rf"float32\[M={m}, P=4\]"):
+        pq_code_attention(args[0], args[1][..., :m], args[2], jnp.ones((2, m, 256, 8)), args[4], args[5], args[6],
+                          impl="xla", rope_inv_freq=jnp.ones((m,), jnp.float32))
 
 
 _SHARDED = textwrap.dedent("""

@@ -76,8 +76,8 @@ def test_pre_rope_file_without_frequencies_is_refused(tmp_path):
 def test_what_does_not_commute_with_rope_is_refused():
     rng = np.random.default_rng(3)
     inv = rope.rope_inv_freq(D, 10000.0)
-    with pytest.raises(ValueError, match="key M must be head_dim / 2 = 8"):
-        _fit(rng, M=4, rope_inv_freq=inv)
+    with pytest.raises(ValueError, match="key M must divide head_dim / 2 = 8 per stage.*got 16"):
+        _fit(rng, M=16, rope_inv_freq=inv)
     eye = np.broadcast_to(np.eye(D, dtype=np.float32), (L, 1, D, D))
     with pytest.raises(ValueError, match="does not commute with RoPE"):
         _fit(rng, rope_inv_freq=inv, key_transform=eye)
@@ -87,11 +87,34 @@ def test_what_does_not_commute_with_rope_is_refused():
         _fit(rng).with_pre_rope_keys(inv[:4])
 
 
+def test_two_rope_pairs_per_subspace_group_pair_m_with_pair_m_plus_d_over_4(tmp_path):
+    """M = d/4: sub-space m is pairs m and m + d/4 (a fast pair with a slow one); keys that live
+    only on pairs 1 and 1 + d/4 fill sub-space 1 and leave every other sub-space at zero."""
+    rng = np.random.default_rng(6)
+    m = D // 4
+    k = np.zeros((L, HKV, 300, D), np.float32)
+    for pair in (1, 1 + m):  # rotate-half layout: pair i is dims i and i + d/2
+        k[..., pair] = rng.standard_normal(k.shape[:-1])
+        k[..., pair + D // 2] = rng.standard_normal(k.shape[:-1])
+    v = rng.standard_normal(k.shape).astype(np.float32)
+    inv = rope.rope_inv_freq(D, 10000.0)
+    books = fit_kv_codebooks(k, v, M=m, nbits=4, key=jax.random.key(0), iters=3, rope_inv_freq=inv)
+    assert books.key_rope_pairs == 2 and books.key.dsub == 4 and books.recipe.endswith(" pre g2")
+    c = np.asarray(books.key.centroids)  # [L, G, M, K, 4]
+    assert np.abs(c[:, :, [0, 2, 3]]).max() < 1e-6
+    assert (c[:, :, 1].std(axis=-2) > 0.3).all()  # all four dims of sub-space 1 spread
+    np.testing.assert_array_equal(np.asarray(books.key_subspace_freqs()),
+                                  np.stack([inv[:m], inv[m:]], axis=1))
+    save_kv_codebooks(tmp_path / "g2.safetensors", books)
+    loaded, _ = load_kv_codebooks(tmp_path / "g2.safetensors")
+    assert loaded.key_rope_pairs == 2 and loaded.recipe == books.recipe
+
+
 def test_residual_stages_commute_and_tile_the_frequencies():
     inv = rope.rope_inv_freq(D, 10000.0)
     books = _fit(np.random.default_rng(4), rope_inv_freq=inv, stages=2)
     assert books.key_M == D and books.key.dsub == 2
-    np.testing.assert_array_equal(np.asarray(books.key_subspace_freqs()), np.tile(inv, 2))
+    np.testing.assert_array_equal(np.asarray(books.key_subspace_freqs()), np.tile(inv, 2)[:, None])
 
 
 def test_finetuning_pre_rope_codebooks_is_refused():

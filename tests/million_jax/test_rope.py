@@ -36,6 +36,25 @@ def test_pair_layout_round_trip_and_pairs_adjacent():
     np.testing.assert_array_equal(np.asarray(rope.from_pair_layout(paired)), x)
 
 
+def test_two_pairs_per_subspace_put_pair_m_beside_pair_m_plus_d_over_4():
+    x = np.arange(2 * 8, dtype=np.float32).reshape(2, 8)  # 4 pairs: (0, 4), (1, 5), (2, 6), (3, 7)
+    paired = np.asarray(rope.to_pair_layout(x, 2))
+    np.testing.assert_array_equal(paired[0], [0, 4, 2, 6, 1, 5, 3, 7])  # sub-space 0: pairs 0, 2; 1: pairs 1, 3
+    np.testing.assert_array_equal(np.asarray(rope.from_pair_layout(paired, 2)), x)
+    np.testing.assert_array_equal(rope.subspace_freqs(np.array([10, 11, 12, 13], np.float32), 2),
+                                  [[10, 12], [11, 13]])
+    rng = np.random.default_rng(3)  # rotating in pair layout follows the same order of frequencies
+    y = rng.standard_normal((5, 16)).astype(np.float32)
+    inv = rope.rope_inv_freq(16, 10000.0)
+    cos, sin = rope.rope_cos_sin(np.arange(5), inv)
+    fc, fs = rope.rope_cos_sin(np.arange(5), rope.subspace_freqs(inv, 2).reshape(-1))
+    np.testing.assert_allclose(np.asarray(rope.rotate_pair_layout(rope.to_pair_layout(y, 2), fc, fs)),
+                               np.asarray(rope.to_pair_layout(rope.rotate(y, cos, sin), 2)), atol=1e-6)
+    for bad in (0, 3, 1.0, True):
+        with pytest.raises(ValueError, match="pairs per sub-space must be an integer >= 1 dividing"):
+            rope.to_pair_layout(x, bad)
+
+
 def test_rotation_stays_inside_each_pair_subspace():
     """In pair layout, rotating changes sub-space m (dims 2m, 2m+1) only through angle m."""
     rng = np.random.default_rng(1)

@@ -55,8 +55,9 @@ def numpy_oracle(inputs: dict, scale: float | None = None,
     """Dequantise K and V, then plain softmax attention in float64 (independent of the jnp code).
     Codes one per entry; optional ``k_scales`` / ``v_scales`` [B, Hkv, T] in ``inputs`` scale row t.
 
-    freqs float[M] (keys quantized before RoPE, dsub 2): key row t is first rotated pair-wise
-    by t * freqs[m] with float64 angles."""
+    freqs float[M] (keys quantized before RoPE, dsub 2) or float[M, P] (P pairs per sub-space,
+    dsub 2P): key row t is first rotated pair-wise, pair p of sub-space m (its dims 2p, 2p + 1)
+    by t * freqs[m, p], with float64 angles."""
     q = np.asarray(inputs["q"], np.float64)
     kc = np.asarray(inputs["k_codes"]).astype(np.int64)
     vc = np.asarray(inputs["v_codes"]).astype(np.int64)
@@ -81,11 +82,12 @@ def numpy_oracle(inputs: dict, scale: float | None = None,
             vg = vcb[0 if vcb.shape[0] == 1 else g]
             kk = np.stack([kg[mi, kc[bi, g, lo:hi, mi]] for mi in range(m)], axis=1)  # [n, M, dsub]
             if freqs is not None:
-                ang = np.arange(lo, hi, dtype=np.float64)[:, None] * np.asarray(freqs, np.float32).astype(
-                    np.float64)[None, :]
+                f = np.asarray(freqs, np.float32).astype(np.float64).reshape(m, -1)  # [M, P]
+                ang = np.arange(lo, hi, dtype=np.float64)[:, None, None] * f[None]  # [n, M, P]
                 cos, sin = np.cos(ang), np.sin(ang)
-                k1, k2 = kk[..., 0], kk[..., 1]
-                kk = np.stack([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1)
+                pairs = kk.reshape(hi - lo, m, f.shape[1], 2)
+                k1, k2 = pairs[..., 0], pairs[..., 1]
+                kk = np.stack([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1).reshape(kk.shape)
             kk = kk.reshape(hi - lo, d)
             vv = np.stack([vg[mi, vc[bi, g, lo:hi, mi]] for mi in range(vg.shape[0])], axis=1).reshape(hi - lo, d)
             if ks is not None:  # per-token scales: score and value of row t times its scale

@@ -1,7 +1,8 @@
 """Keys quantized before RoPE (issue 24): exact angles, the reference and the kernel against float64.
 
 The contract: key sub-space m (dsub = 2) is RoPE pair m, code row t is the key of position t,
-rotated by t * inv_freq[m] (rotate-half convention); q comes rotated. Every test compares with
+rotated by t * inv_freq[m] (rotate-half convention); q comes rotated. With P pairs per sub-space
+(dsub = 2P) the frequencies are [M, P] and pair p of sub-space m turns by t * inv_freq[m, p]. Every test compares with
 attention over RoPE(decode(codes)) computed independently in NumPy float64.
 """
 
@@ -143,6 +144,44 @@ def test_kernel_reads_packed_pre_rope_keys(k_bits, v_bits):
     assert_close(jax.jit(pq_decode_attention_reference)(**stored, rope_inv_freq=f), want, 2e-5)
 
 
+# Two RoPE pairs per key sub-space (dsub 4; pq2-pre-g2): frequencies [M, 2], pair p of sub-space m.
+G2 = Case(batch=2, num_kv_heads=2, group=3, head_dim=64, num_subspaces=16, nbits=8, seq_len=130)
+
+
+def pair_freqs(m: int, pairs: int, theta: float = 10000.0, seed: int | None = None) -> jax.Array:
+    """float32[M, P]: pair p of sub-space m gets the frequency of RoPE pair m + p M (jittered)."""
+    return inv_freq(m * pairs, theta, seed).reshape(pairs, m).T
+
+
+@pytest.mark.parametrize("precision, tol", [("fp32", 2e-5), ("bf16", 5e-2)])
+@pytest.mark.parametrize("num_splits, block_t, shared", [(1, 16, True), (3, 32, False)])
+def test_two_pairs_per_subspace_kernel_and_reference(precision, tol, num_splits, block_t, shared):
+    case = dataclasses.replace(G2, shared_codebook=shared)
+    seed = 61 + num_splits
+    x = make_inputs(case, seed, starts=np.array([0, 9]), ends=np.array([130, 77]))
+    f = pair_freqs(case.num_subspaces, 2, seed=seed)
+    want = rope_oracle(x, f)
+    fn = functools.partial(pq_decode_attention, interpret=True, precision=precision,
+                           num_splits=num_splits, block_t=block_t)
+    assert_close(jax.jit(fn)(**x, rope_inv_freq=f), want, tol)
+    assert_close(jax.jit(pq_decode_attention_reference)(**x, rope_inv_freq=f), want, 2e-5)
+    # the pairs are told apart: the same frequencies in the other pair order give another answer
+    swapped = jax.jit(pq_decode_attention_reference)(**x, rope_inv_freq=f[:, ::-1])
+    assert np.abs(np.asarray(swapped[0]) - want[0]).max() > 0.1
+
+
+def test_two_pairs_per_subspace_packed_d256():
+    """Gemma-sized heads (d 256, M 64 sub-spaces of two pairs), packed 6-bit keys, fp32."""
+    case = Case(batch=2, num_kv_heads=1, group=4, head_dim=256, num_subspaces=64, nbits=8, seq_len=60,
+                shared_codebook=False)
+    unpacked, stored = make_packed_inputs(case, 71, 6, 8)
+    f = pair_freqs(64, 2, 1e6, seed=71)
+    fn = functools.partial(pq_decode_attention, interpret=True, precision="fp32", num_splits=2)
+    want = rope_oracle(unpacked, f)
+    assert_close(jax.jit(fn)(**stored, rope_inv_freq=f), want, 2e-5)
+    assert_close(jax.jit(pq_decode_attention_reference)(**stored, rope_inv_freq=f), want, 2e-5)
+
+
 # Gemma 3's global layers: 4 query heads on one KV head, head_dim 256, M 128 RoPE pairs.
 GEMMA_PRE = Case(batch=2, num_kv_heads=1, group=4, head_dim=256, num_subspaces=128, nbits=8, seq_len=90,
                  shared_codebook=False)
@@ -198,12 +237,19 @@ def test_pre_rope_inputs_the_kernel_refuses_are_named():
             pq_decode_attention(**x, rope_inv_freq=jnp.asarray(g), interpret=True)
         with pytest.raises(ValueError, match=f"finite and > 0.*got {shown} at sub-space 5"):
             pq_decode_attention_reference(**x, rope_inv_freq=jnp.asarray(g))
-    dsub4 = make_inputs(dataclasses.replace(PRE, num_subspaces=16), 0)
-    assert "dsub = 2" in pq_kernel_unsupported_reason(**dsub4, rope_inv_freq=inv_freq(16))
-    with pytest.raises(ValueError, match="dsub = 2"):
+    dsub4 = make_inputs(dataclasses.replace(PRE, num_subspaces=16), 0)  # two pairs per sub-space: [M, 2]
+    assert r"float32[M=16, P=2]" in pq_kernel_unsupported_reason(**dsub4, rope_inv_freq=inv_freq(16))
+    with pytest.raises(ValueError, match=r"float32\[M=16, P=2\]"):
         pq_decode_attention_reference(**dsub4, rope_inv_freq=inv_freq(16))
+    g = np.array(pair_freqs(16, 2))
+    g[3, 1] = np.nan
+    with pytest.raises(ValueError, match="got nan at sub-space 3, pair 1"):
+        pq_decode_attention(**dsub4, rope_inv_freq=jnp.asarray(g), interpret=True)
+    dsub6 = make_inputs(dataclasses.replace(PRE, head_dim=48, num_subspaces=16), 0)
+    with pytest.raises(ValueError, match="whole RoPE pairs"):
+        pq_decode_attention_reference(**dsub6, rope_inv_freq=inv_freq(16))
     small = make_inputs(dataclasses.replace(PRE, head_dim=16, num_subspaces=8), 0)
-    assert "M = head_dim / 2 >= 16" in pq_kernel_unsupported_reason(**small, rope_inv_freq=inv_freq(8))
+    assert "M >= 16 sub-spaces" in pq_kernel_unsupported_reason(**small, rope_inv_freq=inv_freq(8))
     assert pq_kernel_unsupported_reason(**x, rope_inv_freq=f) is None
 
 
@@ -221,15 +267,19 @@ ROPE_SHAPES = {
     "gemma3-d256-packed4-b4": (specs(4, 4, 1, 256, 128, 16384, nbits=4, packed=True), {}),
     "gemma3-d256-packed6-bt32-w4": (specs(2, 4, 1, 256, 128, 4096, nbits=6, packed=True),
                                     dict(block_t=32, num_warps=4, num_stages=2)),
+    # two RoPE pairs per key sub-space (pq2-pre-g2): SmolLM2's M 16 and Gemma 3's M 64, 8-bit codes
+    "g2-smollm2-gqa3": (specs(3, 9, 3, 64, 16, 8191), {}),
+    "g2-gemma3-d256": (specs(1, 4, 1, 256, 64, 32768), {}),
 }
 
 
 @pytest.mark.parametrize("name", list(ROPE_SHAPES))
 def test_pre_rope_kernel_exports_for_cuda(name):
     args, kw = ROPE_SHAPES[name]
-    m = args[3].shape[1]
+    m, dsub = args[3].shape[1], args[3].shape[3]
     fn = lambda *a: pq_decode_attention(*a[:-1], rope_inv_freq=a[-1], **kw)  # noqa: E731
-    exported = export_for_cuda(fn, *args, jax.ShapeDtypeStruct((m,), jnp.float32))
+    freqs = (m,) if dsub == 2 else (m, dsub // 2)
+    exported = export_for_cuda(fn, *args, jax.ShapeDtypeStruct(freqs, jnp.float32))
     assert exported.mlir_module().count(TRITON_CUSTOM_CALL) == 1
     b, h, d = args[0].shape
     assert [tuple(a.shape) for a in exported.out_avals] == [(b, h, d), (b, h)]
