@@ -67,8 +67,9 @@ def rows(protocol: str, books_dir: str, qjl: bool = True) -> list[tuple[str, lis
     extra = ["--protocol", protocol] + (["--sinks", "4", "--recent", "64"] if protocol == "realistic" else [])
     for b in PQ_BITS:
         # "n": norm-explicit codebooks (pq{B}n_s{S}.safetensors), "nu": norm-explicit codebooks of unit
-        # vectors (NEQ); skipped when absent
-        for variant in ("", "n", "nu"):
+        # vectors (NEQ); "g2", "g2n", "g2nu": keys before RoPE in sub-spaces of two RoPE pairs
+        # (pq2-pre-g2 and its norm variants); skipped when absent
+        for variant in ("", "n", "nu", "g2", "g2n", "g2nu"):
             for s in SEEDS:
                 name = f"pq{b}{variant}_s{s}"
                 out.append((name, ["--cache", "pq", "--codebooks", os.path.join(books_dir, f"{name}.safetensors")]
@@ -146,6 +147,8 @@ def run(args) -> None:
 
 
 def family(name: str) -> str:
+    if re.match(r"pq\d+g2(n|nu)?_", name):
+        return "pq+g2"
     if re.match(r"pq\d+nu_", name):
         return "pq+unit"
     if re.match(r"pq\d+n_", name):
@@ -186,7 +189,8 @@ def plot(res, dense, path, preset=None) -> None:
     preset = preset or model_preset("smollm2")
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=False)
-    style = {"pq": ("tab:blue", "o"), "pq+norms": ("tab:purple", "D"), "pq+unit": ("tab:brown", "P"), "turboquant": ("tab:orange", "s"), "turboquant+qjl": ("tab:red", "x"),
+    style = {"pq": ("tab:blue", "o"), "pq+norms": ("tab:purple", "D"), "pq+unit": ("tab:brown", "P"),
+             "pq+g2": ("tab:cyan", "*"), "turboquant": ("tab:orange", "s"), "turboquant+qjl": ("tab:red", "x"),
              "kivi": ("tab:green", "^")}
     for ax, protocol in zip(axes, ("all", "realistic")):
         for fam, (color, marker) in style.items():
@@ -194,7 +198,7 @@ def plot(res, dense, path, preset=None) -> None:
                          if p == protocol and family(n) == fam)
             if not pts:
                 continue
-            if fam in ("pq", "pq+norms", "pq+unit"):  # mean of the seeds per budget, seeds as points
+            if fam in ("pq", "pq+norms", "pq+unit", "pq+g2"):  # mean of the seeds per budget, seeds as points
                 by = {}
                 for b, y, _ in pts:
                     by.setdefault(b, []).append(y)
@@ -202,7 +206,8 @@ def plot(res, dense, path, preset=None) -> None:
                 xs = sorted(by)
                 label = {"pq": "pq (calibrate --bits B before norms; mean of 2 seeds)",
                          "pq+norms": "pq + a bf16 norm per vector (today's codebooks rescaled)",
-                         "pq+unit": "pq + norm, codebooks of unit vectors (NEQ; calibrate --bits 2)"}[fam]
+                         "pq+unit": "pq + norm, codebooks of unit vectors (NEQ; calibrate --bits 2)",
+                         "pq+g2": "pq, keys before RoPE, 2 RoPE pairs per sub-space (pq2-pre-g2 / -n / -nu)"}[fam]
                 ax.plot(xs, [sum(by[x]) / len(by[x]) for x in xs], color=color, marker=marker, label=label)
             elif fam == "kivi":
                 ax.scatter([b for b, _, _ in pts], [y for _, y, _ in pts], color=color, marker=marker, label="KIVI")

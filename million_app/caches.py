@@ -101,7 +101,7 @@ def label(spec: CacheSpec) -> str:
             return "pq"
         sinks = f" +{spec.precise_sinks} {dtype_name(spec)} sinks" if spec.precise_sinks else ""
         if (b.same_budget and b.key_transform is None and b.value_transform is None and b.stages == 1
-                and not (b.key_norms or b.value_norms)):
+                and not (b.key_norms or b.value_norms) and b.key_rope_pairs == 1):
             return f"pq M={b.key_M} nbits={b.key_nbits} {b.granularity}{sinks}"
         return f"pq {b.recipe} {b.granularity}{sinks}"
     if spec.kind == "turboquant":

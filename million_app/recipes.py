@@ -37,11 +37,11 @@ key/value read from codes, ppl vs dense 11.260; every recipe of ``RECIPES`` meas
                                 recipes_smollm2/residual/)
     1 b/elem  pq1-qa  +290.5%  (the only 1 b/elem recipe; measured, but far from usable)
 
-Keys before RoPE (``rope="pre"``, the default of ``calibrate`` for 4 and 3 b/elem;
+Keys before RoPE (``rope="pre"``, the default of ``calibrate`` for 4, 3 and 2 b/elem;
 benchmarks/results/prerope_smollm2, 2026-12-03, same settings, mean of k-means seeds 0 and 1,
 every key/value from codes): pq4-pre +2.0% (pq4-qa +2.7%), pq3-pre +12.6% (pq3-qa +13.6%),
-pq2-pre +85.5% (pq2-r2-qa +35.6%, so ``--bits 2`` keeps keys after RoPE; pq2-pre-kv4, one M for
-keys and values, +115%). Codebooks of pre-RoPE keys from 512-token windows keep the key error
+pq2-pre +85.5% (pq2-r2-qa +35.6%, so ``--bits 2`` kept keys after RoPE until pq2-pre-g2, below;
+pq2-pre-kv4, one M for keys and values, +115%). Codebooks of pre-RoPE keys from 512-token windows keep the key error
 flat to 8K (0.18% -> 0.17%; post-RoPE 0.74% -> 29%) and lose +2.8% on 4096-token windows (pq4-qa
 from the same windows: +536%). pq3-pre / pq2-pre are the RoPE-pair versions of pq3 / pq2.
 
@@ -213,9 +213,14 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 # "-n" rescales today's codebooks' reconstructions to the stored norm; "-nu" fits the codebooks on
 # unit vectors and encodes x / |x| (NEQ). Gemma 3 (its 4 sinks kept) prefers "-n": see
 # FAMILY_BEST_FOR_BITS.
+# Keys before RoPE in 4-dim sub-spaces of two RoPE pairs (m, m + d/4) x 8 bits at 2 b/elem
+# (benchmarks/results/frontier/pair_groups/README.md, 2026-12-06, seeds 0 / 1, every token from codes):
+#   SmolLM2 pq2-pre-g2 +22.0 / +20.7% (2.00 b/elem; pq2-r2-qa +36.7 / +39.2%), -n +19.7 / +17.9%,
+#   -nu +14.0 / +14.5% (2.25 b; pq2-r2-qa-nu +23.5 / +23.0%): pq2-pre-g2-nu, and --bits 2 now keeps
+#   keys before RoPE (only --bits 1 stays after it).
 BEST_FOR_BITS: dict[str, dict[int, str]] = {
     "post": {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-r2-qa-nu", 1: "pq1-qa"},
-    "pre": {4: "pq4-pre", 3: "pq3-pre-nu", 2: "pq2-pre-n"},
+    "pre": {4: "pq4-pre", 3: "pq3-pre-nu", 2: "pq2-pre-g2-nu"},
 }
 
 # model family -> key_rope -> bits -> recipe, where a family measured another best than BEST_FOR_BITS.
@@ -223,8 +228,10 @@ BEST_FOR_BITS: dict[str, dict[int, str]] = {
 #   2 b  pq2-pre +7.36 / +6.81%  -> -n +5.23 / +5.44%  -> -nu +5.36 / +6.13%  (2.06 b/elem)
 #   3 b  pq3-pre +1.88 / +1.28%  -> -n +1.66 / +1.08%  -> -nu +1.82 / +1.59%  (3.06 b/elem)
 #   4 b  pq4-pre +0.19 / +0.56%  -> -n +0.05 / +0.74%  -> -nu +0.35 / +0.34%  (mixed: not adopted)
+#   2 b  two RoPE pairs per key sub-space (pair_groups/README.md): pq2-pre-g2-n +2.76 / +2.44%,
+#        -nu +3.15 / +3.36% (2.06 b/elem): pq2-pre-g2-n
 FAMILY_BEST_FOR_BITS: dict[str, dict[str, dict[int, str]]] = {
-    "gemma3": {"pre": {3: "pq3-pre-n", 2: "pq2-pre-n"}},
+    "gemma3": {"pre": {3: "pq3-pre-n", 2: "pq2-pre-g2-n"}},
 }
 
 # recipe name -> exact first tokens recorded in the codebook file (`calibrate --bits B`; `eval`

@@ -28,7 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, help=TEXT_HELP)
     text_args(p)
     p.add_argument("--tokens", type=int, default=16384, help="calibration tokens (default 16384)")
-    rope_arg(p, default=None, extra_help="; with --bits 2 or 1 the default is post, which measured better there "
+    rope_arg(p, default=None, extra_help="; with --bits 1 the default is post, which measured better there "
              "(benchmarks/results/prerope_smollm2)")
     p.add_argument("--bits", type=int, choices=(1, 2, 3, 4),
                    help="stored bits per K/V element: picks the best measured recipe for --rope (key/value "
@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
     for w in windows or ():
         check_positions(model, w, f"--window {args.window}")
     d = model.config.head_dim
-    if args.rope is None:  # measured: pre-RoPE wins at 4 (and 3) b/elem, post-RoPE recipes at 2
-        args.rope = "post" if args.bits in (1, 2) else DEFAULT_KEY_ROPE
+    if args.rope is None:  # measured: pre-RoPE wins at 4, 3 and (pq2-pre-g2) 2 b/elem; 1 b has post only
+        args.rope = "post" if args.bits == 1 else DEFAULT_KEY_ROPE
     recipe = None
     if args.bits is not None:
         if args.M is not None or args.nbits is not None:

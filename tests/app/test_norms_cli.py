@@ -56,7 +56,7 @@ def test_norms_flag_picks_the_named_recipe_with_bits(cli, tiny_dir, tiny, tmp_pa
     sinks follow it); 'unit' fits the codebooks on unit vectors (NEQ)."""
     from million_app.recipes import BEST_FOR_BITS, PRECISE_SINKS, RECIPES, with_norms
 
-    best = RECIPES[BEST_FOR_BITS["post"][2]]
+    best = RECIPES[BEST_FOR_BITS["pre"][2]]  # --bits 2 keeps keys before RoPE
     for norms in ("off", "unit"):
         path = tmp_path / f"b2_{norms}.safetensors"
         res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "1024", "--window", "256",

@@ -73,7 +73,8 @@ def test_calibrate_bits_records_the_adopted_sinks(cli, tiny_dir, tmp_path, monke
         for flags, want in (((), recipes.PRECISE_SINKS.get(best, 0)), (("--precise-sinks", 3), 3)):
             path = tmp_path / f"b2_{best}_{want}.safetensors"
             res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "1024", "--window",
-                      "256", "--bits", "2", *flags, "--iters", "1", "--max-vectors", "512", "--out", path, "--quiet")
+                      "256", "--bits", "2", "--rope", "post", *flags, "--iters", "1", "--max-vectors", "512", "--out",
+                      path, "--quiet")
             assert res.rc == 0, res.err
             meta = load_codebooks(str(path))[1]
             assert meta["recipe"] == best and meta["precise_sinks"] == want

@@ -17,7 +17,7 @@ def test_calibrate_bits_writes_the_recipe(cli, tiny_dir, tiny, tmp_path, rope):
     res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", "1024", "--window", "256",
               "--bits", "2", *flags, "--iters", "2", "--out", path, "--quiet")
     assert res.rc == 0, res.err
-    rope = rope or "post"  # the measured default at 2 b/elem (benchmarks/results/prerope_smollm2)
+    rope = rope or "pre"  # the measured default at 2 b/elem (benchmarks/results/frontier/pair_groups)
     recipe = RECIPES[BEST_FOR_BITS[rope][2]]
     assert recipe.rope == rope
     _, meta = load_codebooks(path)

@@ -29,6 +29,7 @@ def test_two_pair_subspaces_calibrated_and_read_like_their_reconstructions(cli, 
     assert books.key_rope == "pre" and books.key_rope_pairs == 2 and books.key.dsub == 4
     meta = load_codebooks(str(path))[1]
     assert meta["bits_per_element"] == 2.0 and books.recipe.endswith(" pre g2")
+    assert caches.label(CacheSpec("pq", codebooks=books)) == f"pq K{d // 4}x8 V{d // 4}x8 pre g2 layer_head"
 
     w = windows(tokenize(tiny, load_text("builtin:eval", "--text")), 64, 256)  # 4 windows of 64
     spec = CacheSpec("pq", codebooks=books, dtype=jnp.float32, quantize_all=True, impl="xla")
