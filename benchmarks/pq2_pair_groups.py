@@ -20,15 +20,15 @@ first 4 positions of each window (the attention sinks). The pre-RoPE error is th
 tokens (a post-RoPE, query-aware file measured in the model's space: k_hat = A^-1 decode(encode(A k))).
 
 ``--ppl``: also the perplexity of ``million-jax eval --protocol all`` windows (``--max-tokens`` of
-builtin:eval, 512-token windows) with only the keys from codes (values exact, as
-``pq_loss_split.py --parts keys``), for each variant: plain, rescaled to each key's bf16 norm
-(norm-explicit), and ``--unit``: codebooks fitted on unit keys, rescaled to the norm (NEQ).
+builtin:eval, 512-token windows) with only the keys from codes (values exact: ``pq_loss_split.py``'s
+reconstruction with the variant's codebooks marked pre-RoPE), for each variant: plain, rescaled to
+each key's bf16 norm (norm-explicit), and ``--unit``: codebooks fitted on unit keys, rescaled to
+the norm (NEQ). ``far`` is the library's two-pair layout (pq2-pre-g2's keys); ``adjacent`` has no
+library layout and is refused with ``--ppl``.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
 import time
 
@@ -36,12 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.pq_loss_split import with_norm_of
+from benchmarks.pq_loss_split import reconstructed_ppl, with_norm_of
 from million_app.calibrate import calibration_kv, collect_model_kv, load_model_codebooks
-from million_app.perplexity import eval_windows, window_nll
-from million_jax.cache.base import register_cache
-from million_jax.cache.dense import DenseCache, DenseLayer
-from million_jax.quant.kv_codebooks import unit_vectors
+from million_app.perplexity import eval_windows
+from million_jax.quant.kv_codebooks import PQCodebooks, unit_vectors
 from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
 from million_jax import rope
@@ -69,65 +67,6 @@ def grouping(name: str, d: int) -> np.ndarray:
     else:
         raise ValueError(name)
     return np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)  # dims permutation
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"],
-                   meta_fields=["perm", "inv_freq", "quant", "norm", "unit"])
-@dataclasses.dataclass(frozen=True)
-class GroupedKeyLayer(DenseLayer):
-    """A dense layer whose new keys are stored (and read) as their pre-RoPE PQ reconstruction in the
-    grouped pair layout ``perm``; consts: this layer's key centroids float32[Hkv, M, K, dsub]."""
-
-    perm: tuple[int, ...] = ()
-    inv_freq: tuple[float, ...] = ()
-    quant: bool = True
-    norm: bool = False
-    unit: bool = False
-
-    def attend(self, consts, q, k, v, lengths, n_new):
-        if not self.quant:
-            return super().attend(None, q, k, v, lengths, n_new)
-        pos = lengths[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
-        cos, sin = rope.rope_cos_sin(pos, jnp.asarray(self.inv_freq, jnp.float32))
-        c, s = cos[:, :, None], sin[:, :, None]
-        perm = np.asarray(self.perm)
-        x = rope.to_pair_layout(rope.unrotate(k.astype(jnp.float32), c, s))[..., perm]  # [B, T, Hkv, d]
-        cb = Codebooks(consts)
-        xs = jnp.swapaxes(unit_vectors(x) if self.unit else x, 1, 2)  # [B, Hkv, T, d]
-        xh = jnp.swapaxes(decode(cb, encode(cb, xs)), 1, 2)
-        xh = with_norm_of(x, xh) if self.norm else xh
-        k_hat = rope.rotate(rope.from_pair_layout(xh[..., np.argsort(perm)]), c, s)
-        return super().attend(None, q, k_hat, v, lengths, n_new)
-
-
-@register_cache
-@dataclasses.dataclass(frozen=True)
-class GroupedKeyCache(DenseCache):
-    """The dense cache of :class:`GroupedKeyLayer`s; cache_consts: key centroids [L, Hkv, M, K, dsub]."""
-
-    layers: GroupedKeyLayer
-    lengths: jax.Array
-
-    def layer_consts(self, cache_consts=None):
-        return cache_consts
-
-
-def keys_only_ppl(model, windows: np.ndarray, centroids, batch: int = 4, **kw) -> float:
-    """ppl of ``windows`` int[W, T] with the keys through ``centroids`` (GroupedKeyLayer ``kw``)."""
-    c = model.config
-    total, count = 0.0, 0
-    for i in range(0, len(windows), batch):
-        chunk = windows[i: i + batch]
-        real = len(chunk)
-        if real < batch:
-            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - real, axis=0)])
-        dense = DenseCache.create(c.n_layers, batch, c.n_kv_heads, windows.shape[1], c.head_dim, jnp.float32)
-        cache = GroupedKeyCache(layers=GroupedKeyLayer(k=dense.layers.k, v=dense.layers.v, **kw),
-                                lengths=dense.lengths)
-        nll = np.asarray(window_nll(c, model.params, cache, jnp.asarray(chunk), centroids), np.float64)[:real]
-        total += float(nll.sum())
-        count += nll.size
-    return float(np.exp(total / count))
 
 
 def main() -> None:
@@ -163,9 +102,12 @@ def main() -> None:
             json.dump(out, f, indent=1)
 
     w = eval_windows(eval_ids, 512, a.max_tokens)
+    if a.ppl and "adjacent" in a.variants.split(","):
+        raise SystemExit("--ppl reads the library's layouts: pairs-4bit (one pair per sub-space) and far (pairs m, "
+                         "m + d/4; million_jax.rope.to_pair_layout(x, 2)), not adjacent")
     if a.ppl:
         t0 = time.perf_counter()
-        save({"keys": "exact (dense)", "ppl": keys_only_ppl(model, w, None, quant=False),
+        save({"keys": "exact (dense)", "ppl": reconstructed_ppl(model, None, w, quant_k=False, quant_v=False),
               "seconds": time.perf_counter() - t0})
     for name in a.variants.split(","):
         perm = np.arange(d) if name == "pairs-4bit" else grouping(name, d)
@@ -186,11 +128,12 @@ def main() -> None:
             label = f"pre-RoPE {name}" + (", unit codes + norms" if unit else "")
             row = {"keys": label, "M": M, "nbits": nbits, "bits_per_element": M * nbits / d,
                    **rel_err(y, yh, pos), "fit_seconds": fit_s}
-            if a.ppl:
-                kw = dict(perm=tuple(int(i) for i in perm), inv_freq=tuple(float(f) for f in inv))
-                row["ppl_keys_only"] = keys_only_ppl(model, w, books.centroids, norm=unit, unit=unit, **kw)
+            if a.ppl:  # the keys as the library reads pre-RoPE codebooks of d / 2M pairs per sub-space
+                kb = PQCodebooks.from_centroids(books.centroids, books.centroids, "layer_head",
+                                                num_layers=c.n_layers).with_pre_rope_keys(inv)
+                row["ppl_keys_only"] = reconstructed_ppl(model, kb, w, quant_v=False, norm_k=unit, unit=unit)
                 if not unit:
-                    row["ppl_keys_only_norms"] = keys_only_ppl(model, w, books.centroids, norm=True, **kw)
+                    row["ppl_keys_only_norms"] = reconstructed_ppl(model, kb, w, quant_v=False, norm_k=True)
             save(row)
     for path in a.compare:
         books, _ = load_model_codebooks(path, model)

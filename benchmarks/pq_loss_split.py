@@ -48,7 +48,7 @@ from million_app.perplexity import eval_windows, window_nll
 from million_jax import rope
 from million_jax.cache.base import register_cache
 from million_jax.cache.dense import DenseCache, DenseLayer
-from million_jax.quant.kv_codebooks import PQCodebooks
+from million_jax.quant.kv_codebooks import PQCodebooks, unit_vectors
 from million_jax.quant.kv_transforms import apply_head_transform
 from million_jax.quant.pq import Codebooks
 from million_jax.quant.residual_pq import decode_stages, encode_stages
@@ -98,7 +98,7 @@ def with_norm_of(x: jax.Array, x_hat: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"],
-                   meta_fields=["quant_k", "quant_v", "sinks", "sink_int8", "norm_k", "norm_v"])
+                   meta_fields=["quant_k", "quant_v", "sinks", "sink_int8", "norm_k", "norm_v", "unit"])
 @dataclasses.dataclass(frozen=True)
 class ReconstructedLayer(DenseLayer):
     """A dense layer that stores (and reads) the PQ reconstruction of the chosen parts."""
@@ -109,11 +109,15 @@ class ReconstructedLayer(DenseLayer):
     sink_int8: bool = False
     norm_k: bool = False
     norm_v: bool = False
+    unit: bool = False  # encode x / |x| (codebooks of unit vectors; with norm_k / norm_v)
 
     def attend(self, consts, q, k, v, lengths, n_new):
+        if not (self.quant_k or self.quant_v):  # the exact row (no codebooks needed)
+            return super().attend(None, q, k, v, lengths, n_new)
         t = q.shape[1]
         pos = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        k_hat, v_hat = pq_reconstruct(consts, k, v, pos)
+        k_hat, v_hat = pq_reconstruct(consts, unit_vectors(k) if self.unit else k,
+                                      unit_vectors(v) if self.unit else v, pos)
         k_hat = with_norm_of(k, k_hat) if self.norm_k else k_hat
         v_hat = with_norm_of(v, v_hat) if self.norm_v else v_hat
         sink = (pos < self.sinks)[:, :, None, None]
@@ -142,6 +146,23 @@ def make(cfg, books: PQCodebooks, batch: int, max_len: int, **kw) -> Reconstruct
                               lengths=dense.lengths)
 
 
+def reconstructed_ppl(model, books: PQCodebooks, windows: np.ndarray, batch: int = 4, **kw) -> float:
+    """Perplexity of ``windows`` int[W, T] (each from an empty cache) with the parts ``kw`` of
+    :class:`ReconstructedLayer` read as their reconstruction through ``books``."""
+    cfg = model.config
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch):
+        chunk = windows[i: i + batch]
+        real = len(chunk)
+        if real < batch:
+            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - real, axis=0)])
+        cache = make(cfg, books, batch, windows.shape[1], **kw)
+        nll = np.asarray(window_nll(cfg, model.params, cache, jnp.asarray(chunk), books), np.float64)[:real]
+        total += float(nll.sum())
+        count += nll.size
+    return float(np.exp(total / count))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--codebooks", required=True)
@@ -157,7 +178,6 @@ def main() -> None:
     p.add_argument("--json", required=True)
     a = p.parse_args()
     model = open_model("smollm2")
-    cfg = model.config
     books, meta = load_model_codebooks(a.codebooks, model)
     ids = tokenize(model, load_text("builtin:eval", "--text"))
     w = eval_windows(ids, a.window, a.max_tokens)
@@ -179,18 +199,8 @@ def main() -> None:
         "recipe": books.recipe, "windows": int(len(w)), "rows": rows}
     for name, kw in variants:
         t0 = time.perf_counter()
-        total, count = 0.0, 0
-        for i in range(0, len(w), a.batch):
-            chunk = w[i: i + a.batch]
-            real = len(chunk)
-            if real < a.batch:
-                chunk = np.concatenate([chunk, np.repeat(chunk[-1:], a.batch - real, axis=0)])
-            cache = make(cfg, books, a.batch, a.window, **kw)
-            nll = np.asarray(window_nll(cfg, model.params, cache, jnp.asarray(chunk), books), np.float64)[:real]
-            total += float(nll.sum())
-            count += nll.size
-        row = {"reconstructed": name, "ppl": float(np.exp(total / count)), "tokens": count,
-               "seconds": time.perf_counter() - t0}
+        row = {"reconstructed": name, "ppl": reconstructed_ppl(model, books, w, a.batch, **kw),
+               "tokens": int(w.shape[0] * (w.shape[1] - 1)), "seconds": time.perf_counter() - t0}
         rows.append(row)
         print(row, flush=True)
         with open(a.json, "w") as f:
