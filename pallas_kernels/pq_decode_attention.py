@@ -27,7 +27,7 @@ from pallas_kernels._compat import pl, triton_compiler_params
 from pallas_kernels._pq_inputs import check_pq_inputs, pq_dims
 from pallas_kernels.code_packing import Parts
 from pallas_kernels.pq_kernel import pq_attention_kernel
-from pallas_kernels.pq_math import build_lut, check_rope_inv_freq, rope_turns
+from pallas_kernels.pq_math import build_lut, check_rope_inv_freq, pair_freqs, rope_turns
 from pallas_kernels.pq_plan import KernelPlan, plan_pq_kernel, pq_kernel_unsupported_reason
 from pallas_kernels.pq_reference import pq_decode_attention_reference
 from pallas_kernels.pq_support import MIN_BLOCK_H, KeyPath, Precision
@@ -208,7 +208,7 @@ def pq_decode_attention_planned(
     full_b = pl.BlockSpec((batch,), lambda b, h, s: (0,))
     extra_in, extra_specs = [], []
     if rope:  # uint32[2, P, M]: (hi, lo) turns of pair p of each sub-space
-        freqs = jnp.reshape(jnp.asarray(rope_inv_freq, jnp.float32), (n_sub, pairs))
+        freqs = pair_freqs(rope_inv_freq).reshape(n_sub, pairs)
         extra_in.append(jnp.stack([x.T for x in rope_turns(freqs)]))
         extra_specs.append(pl.BlockSpec((2, pairs, n_sub), lambda b, h, s: (0, 0, 0)))
     for x in (k_scales, v_scales):  # [B, Hkv, T] -> one row [T] per program

@@ -65,7 +65,7 @@ from million_jax.quant.pq import Codebooks, code_dtype
 from million_jax.quant.kv_codebooks import NORM_SCALE_DTYPE, PQCodebooks, unit_vectors
 from million_jax.quant.residual_pq import check_stages, encode_stages, fold_output, tile_query
 from million_jax.quant.uniform import KVBits
-from pallas_kernels.pq_math import gather_centroids
+from pallas_kernels.pq_math import gather_centroids, pair_freqs
 from pallas_kernels.pq_math import rope_cos_sin as code_rope_cos_sin
 from pallas_kernels.softmax import merge_partials
 
@@ -165,7 +165,7 @@ class PQLayer(ExactWindowLayer):
             new_v = new_v * jnp.swapaxes(vs, 1, 2).astype(jnp.float32)
             scale_writes["v_scales"] = (rows, vs)
         if freqs is not None:  # the new tokens' decoded keys turned to their own positions,
-            cos, sin = code_rope_cos_sin(pos, freqs.reshape(-1))  # [B, T, S * M * P], the code paths' angles
+            cos, sin = code_rope_cos_sin(pos, pair_freqs(freqs))  # [B, T, S * M * P], the code paths' angles
             new_k = rope.rotate_pair_layout(new_k, cos[:, None], sin[:, None])
         fresh = tiled_dense_attention(qc, new_k, new_v,
                                       jnp.maximum(lo - lengths[:, None], 0), jnp.clip(hi - lengths[:, None], 0, t),
