@@ -31,7 +31,8 @@ def parse_depths(text: str) -> list[float]:
 
 
 def niah_grid(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[int], depths: Sequence[float], *,
-              trials: int = 1, seed: int = 0, batch: int = 5) -> dict[str, Any]:
+              trials: int = 1, seed: int = 0, batch: int = 5,
+              prefill_chunk: int | None = None) -> dict[str, Any]:
     """{"lengths", "depths", "results": {label: {"accuracy": [[per depth] per length], "cells": [...]}}}."""
     rng = np.random.default_rng(seed)
     labels = [caches.label(s) for s in specs]
@@ -44,7 +45,8 @@ def niah_grid(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[
             prompts = [passkey_prompt(model, length, k, d) for d, k in cells]
             for spec, lab in zip(specs, labels):
                 progress.status(f"niah length {length}: {lab} ({len(prompts)} prompts)")
-                rows = run_trials(model, prompts, [k for _, k in cells], spec, min(batch, len(prompts)))
+                rows = run_trials(model, prompts, [k for _, k in cells], spec, min(batch, len(prompts)),
+                                  prefill_chunk)
                 pbar.update(len(rows))
                 acc = []
                 for i, d in enumerate(depths):

@@ -50,8 +50,9 @@ def first_number(text: str) -> int | None:
 
 
 def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[int],
-               spec: CacheSpec, batch: int) -> list[dict[str, Any]]:
-    """Greedy answers to every prompt through ``spec``, ``batch`` prompts per generate call."""
+               spec: CacheSpec, batch: int, prefill_chunk: int | None = None) -> list[dict[str, Any]]:
+    """Greedy answers to every prompt through ``spec``, ``batch`` prompts per generate call, each
+    prompt prefilled in forwards of ``prefill_chunk`` tokens (None: one forward)."""
     cfg = model.config
     out = []
     for i in range(0, len(prompts), batch):
@@ -65,7 +66,7 @@ def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[
         cache, consts = caches.build(spec, cfg, batch, width + ANSWER_TOKENS)
         res = generate(cfg, model.params, cache, jnp.asarray(toks),
                        jnp.asarray([len(p) for p in group], jnp.int32),
-                       max_new_tokens=ANSWER_TOKENS, cache_consts=consts)
+                       max_new_tokens=ANSWER_TOKENS, cache_consts=consts, prefill_chunk=prefill_chunk)
         for j, seq in enumerate(res.sequences()[:real]):
             text = model.decode(seq, skip_special_tokens=True)
             key = keys[i + j]
@@ -75,7 +76,8 @@ def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[
 
 
 def passkey_eval(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[int], *,
-                 trials: int = 5, seed: int = 0, batch: int = 5) -> dict[str, Any]:
+                 trials: int = 5, seed: int = 0, batch: int = 5,
+                 prefill_chunk: int | None = None) -> dict[str, Any]:
     """Accuracy per length for each cache spec: {"lengths": [...], "results": {label: [...]}}."""
     rng = np.random.default_rng(seed)
     results: dict[str, list[dict[str, Any]]] = {caches.label(s): [] for s in specs}
@@ -85,7 +87,7 @@ def passkey_eval(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequen
         prompts = [passkey_prompt(model, length, k, d) for k, d in zip(keys, depths)]
         for spec in specs:
             progress.status(f"passkey length {length}: {caches.label(spec)} ({trials} prompt{'' if trials == 1 else 's'})")
-            rows = run_trials(model, prompts, keys, spec, min(batch, trials))
+            rows = run_trials(model, prompts, keys, spec, min(batch, trials), prefill_chunk)
             for r, d in zip(rows, depths):
                 r["depth"] = d
             results[caches.label(spec)].append({

@@ -110,21 +110,54 @@ def _sample(logits: jax.Array, key: jax.Array, temperature: Any, top_k: Any, top
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def _prefill_last(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax.Array,
+                  lengths: jax.Array, cache_consts: Any, chunk: int | None) -> tuple[jax.Array, KVCache]:
+    """Prefill tokens int[B, T] (row b: lengths[b] >= 1 real ones) -> (logits f32[B, V] at each
+    row's last prompt token, cache), one forward or ``ceil(T / chunk)`` forwards of ``chunk``
+    tokens in a ``fori_loop``.
+
+    Chunks bound the prefill's working memory (attention scores and activations grow with the
+    tokens per forward) at the same result: each chunk is appended after the previous ones
+    (rows whose prompt has ended take 0 tokens), and the logits of a row are taken from the
+    chunk that holds its last token.
+    """
+    b, t = tokens.shape
+    if chunk is None or chunk >= t:
+        return prefill(config, params, cache, tokens, lengths, cache_consts, last_only=True)
+    n_chunks = -(-t // chunk)
+    tokens = jnp.pad(tokens, ((0, 0), (0, n_chunks * chunk - t)))
+
+    def body(c, carry):
+        cache, last = carry
+        start = c * chunk
+        part = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+        n_new = jnp.clip(lengths - start, 0, chunk)
+        logits, cache = prefill(config, params, cache, part, n_new, cache_consts, last_only=True)
+        ends_here = (n_new > 0) & (lengths <= start + chunk)
+        return cache, jnp.where(ends_here[:, None], logits, last)
+
+    shape = jax.eval_shape(lambda c: prefill(config, params, c, tokens[:, :chunk], lengths, cache_consts,
+                                             last_only=True)[0], cache)
+    last = jnp.zeros(shape.shape, shape.dtype)
+    cache, last = jax.lax.fori_loop(0, n_chunks, body, (cache, last))
+    return last, cache
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "max_new_tokens", "greedy", "use_top_k", "use_top_p"),
+    static_argnames=("config", "max_new_tokens", "greedy", "use_top_k", "use_top_p", "prefill_chunk"),
     donate_argnames=("cache",),
 )
 def _generate_jit(params: Params, cache: KVCache, prompt_tokens: jax.Array,
                   prompt_lengths: jax.Array, key: jax.Array, cache_consts: Any,
                   eos: jax.Array, pad_id: jax.Array, temperature: jax.Array, top_k: jax.Array,
                   top_p: jax.Array, *, config: LlamaConfig, max_new_tokens: int, greedy: bool,
-                  use_top_k: bool, use_top_p: bool) -> GenerateResult:
+                  use_top_k: bool, use_top_p: bool, prefill_chunk: int | None) -> GenerateResult:
     b = prompt_tokens.shape[0]
     max_len = cache.max_len
     fits = cache.lengths + prompt_lengths <= max_len
-    logits, cache = prefill(config, params, cache, prompt_tokens, prompt_lengths, cache_consts,
-                            last_only=True)
+    logits, cache = _prefill_last(config, params, cache, prompt_tokens, prompt_lengths, cache_consts,
+                                  prefill_chunk)
     sample = functools.partial(_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                greedy=greedy, use_top_k=use_top_k, use_top_p=use_top_p)
 
@@ -171,13 +204,16 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
              prompt_lengths: jax.Array, key: jax.Array | None = None, *,
              max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, eos_id: int | Sequence[int] | None = None,
-             pad_id: int = 0, cache_consts: Any = None) -> GenerateResult:
+             pad_id: int = 0, cache_consts: Any = None,
+             prefill_chunk: int | None = None) -> GenerateResult:
     """Generate up to ``max_new_tokens`` tokens per sequence (see module docstring).
 
     prompt_tokens:  int[B, T] prompts, left-aligned, row b holds prompt_lengths[b] >= 1
                     real tokens; they are appended to what ``cache`` already holds.
     key:            PRNG key (required unless temperature == 0).
     eos_id:         stop id(s); None -> config.eos_ids; () -> never stop on EOS.
+    prefill_chunk:  None: the prompt in one forward; n: forwards of n tokens each, same result,
+                    working memory bounded by n tokens instead of T (long prompts).
     The cache is donated: do not use the passed cache afterwards, use result.cache.
     """
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
@@ -192,6 +228,9 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
                              f"got {lens.tolist()}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer))
+                                      or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
     check_sampling(temperature, top_k, top_p)
     if key is None:
         if temperature != 0.0:
@@ -209,4 +248,5 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
     return _generate_jit(params, cache, prompt_tokens, prompt_lengths, key, cache_consts,
                          eos, jnp.int32(pad_id), jnp.float32(temperature), jnp.int32(top_k),
                          jnp.float32(top_p), config=config, max_new_tokens=int(max_new_tokens),
-                         greedy=temperature == 0.0, use_top_k=top_k > 0, use_top_p=top_p < 1.0)
+                         greedy=temperature == 0.0, use_top_k=top_k > 0, use_top_p=top_p < 1.0,
+                         prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))

@@ -89,6 +89,23 @@ def check_rope_subspaces(rope: str, M: int, head_dim: int) -> None:
                          "budget with --nbits, or use --rope post")
 
 
+DEFAULT_PREFILL_CHUNK = 2048
+
+
+def prefill_chunk_arg(p: argparse.ArgumentParser) -> None:
+    """--prefill-chunk N: prompts go through the model N tokens per forward (0: the whole prompt)."""
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                   help=f"prefill prompts N tokens per forward, same answers, memory bounded by N instead "
+                        f"of the prompt's length (default {DEFAULT_PREFILL_CHUNK}; 0: whole prompt at once)")
+
+
+def prefill_chunk(args: argparse.Namespace) -> int | None:
+    """The --prefill-chunk value for ``generate`` (None for 0); UsageError if negative."""
+    if args.prefill_chunk < 0:
+        raise UsageError(f"--prefill-chunk must be >= 0 (0: whole prompt at once), got {args.prefill_chunk}")
+    return args.prefill_chunk or None
+
+
 def force_arg(p: argparse.ArgumentParser, outputs: str) -> None:
     """``--force``: replace existing ``outputs`` (every command refuses them otherwise)."""
     p.add_argument("--force", action="store_true",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from million_app import caches, progress
-from million_app.commands.flag_groups import KEPT, cache_args, force_arg, model_args
+from million_app.commands.flag_groups import KEPT, cache_args, force_arg, model_args, prefill_chunk, prefill_chunk_arg
 from million_app.flags import cache_spec, check_positive
 from million_app.loading import model_name, open_model
 from million_app.niah import heatmap, niah_grid, parse_depths
@@ -25,6 +25,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=1, help="prompts (keys) per cell (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=5, help="prompts per forward (default 5)")
+    prefill_chunk_arg(p)
     p.add_argument("--no-dense", action="store_true", help="only the chosen cache (no dense reference grid)")
     p.add_argument("--json", help=f"write the grid to this JSON file ({KEPT})")
     p.add_argument("--png", help=f"write the heatmaps to this PNG file ({KEPT})")
@@ -46,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     specs = [] if args.no_dense and spec.kind != "dense" else [CacheSpec("dense", dtype=spec.dtype)]
     if spec.kind != "dense":
         specs.append(spec)
-    r = niah_grid(model, specs, lengths, depths, trials=args.trials, seed=args.seed, batch=args.batch)
+    r = niah_grid(model, specs, lengths, depths, trials=args.trials, seed=args.seed, batch=args.batch,
+                  prefill_chunk=prefill_chunk(args))
     for s in specs:
         lab = caches.label(s)
         print(f"{lab}: accuracy by length (rows) x depth (columns)")
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         print("|---|" + "---|" * len(depths))
         for n, row in zip(lengths, r["results"][lab]["accuracy"]):
             print(f"| {n} | " + " | ".join(f"{a:.0%}" for a in row) + " |")
-    r.update(model=model_name(model), caches={caches.label(s): {**caches.settings(s), **(source if s is spec else {})}
+    r.update(model=model_name(model), prefill_chunk=args.prefill_chunk, caches={caches.label(s): {**caches.settings(s), **(source if s is spec else {})}
                                               for s in specs})
     if args.json:
         write_json(args.json, r, force=args.force)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from million_app import caches, progress
-from million_app.commands.flag_groups import KEPT, cache_args, force_arg, model_args
+from million_app.commands.flag_groups import KEPT, cache_args, force_arg, model_args, prefill_chunk, prefill_chunk_arg
 from million_app.flags import cache_spec, check_positive
 from million_app.loading import model_name, open_model
 from million_app.passkey import parse_lengths, passkey_eval
@@ -23,6 +23,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=5, help="prompts per length (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=5, help="prompts per forward (default 5)")
+    prefill_chunk_arg(p)
     p.add_argument("--json", help=f"write the accuracies to this JSON file ({KEPT})")
     force_arg(p, "--json")
     return p
@@ -40,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     specs = [CacheSpec("dense", dtype=spec.dtype)]
     if spec.kind != "dense":
         specs.append(spec)
-    r = passkey_eval(model, specs, lengths, trials=args.trials, seed=args.seed, batch=args.batch)
+    r = passkey_eval(model, specs, lengths, trials=args.trials, seed=args.seed, batch=args.batch,
+                     prefill_chunk=prefill_chunk(args))
     labels = [caches.label(s) for s in specs]
     print("| length | " + " | ".join(labels) + " |")
     print("|---|" + "---|" * len(labels))
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         accs = [f"{r['results'][lab][i]['accuracy']:.0%}" for lab in labels]
         print(f"| {n} | " + " | ".join(accs) + " |")
     if args.json:
-        r.update(model=model_name(model), trials=args.trials, seed=args.seed,
+        r.update(model=model_name(model), trials=args.trials, seed=args.seed, prefill_chunk=args.prefill_chunk,
                  caches={caches.label(s): {**caches.settings(s), **(source if s is spec else {})}
                          for s in specs})
         write_json(args.json, r, force=args.force)

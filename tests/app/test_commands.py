@@ -153,3 +153,19 @@ def test_python_dash_m_entry_point():
     bad = subprocess.run([sys.executable, "-m", "million_app", "eval"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "--model" in bad.stderr
+
+
+def test_passkey_prefill_chunk_gives_the_same_answers(cli, tiny_dir, tmp_path):
+    """--prefill-chunk 64 (a 400-token prompt in 7 forwards) answers as one forward does."""
+    answers = {}
+    for chunk in (0, 64):
+        out = tmp_path / f"pk{chunk}.json"
+        res = cli("passkey", "--model", tiny_dir, "--lengths", "400", "--trials", 2, "--cache", "turboquant",
+                  "--bits", 4, "--prefill-chunk", chunk, "--json", out, "--quiet")
+        assert res.rc == 0, res.err
+        r = json.loads(out.read_text())
+        assert r["prefill_chunk"] == chunk
+        answers[chunk] = {lab: [t["answer"] for t in runs[0]["trials"]] for lab, runs in r["results"].items()}
+    assert answers[64] == answers[0] and len(answers[0]) == 2
+    bad = cli("passkey", "--model", tiny_dir, "--lengths", "400", "--prefill-chunk", -1)
+    assert bad.rc != 0 and "--prefill-chunk must be >= 0" in bad.err
