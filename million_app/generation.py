@@ -1,7 +1,8 @@
 """``million-jax generate``: stream text through a KV cache, then report speed and memory.
 
-Prefill runs the prompt once; then one jitted ``decode_step`` (cache donated) per token, each token
-printed as soon as it is sampled (text is flushed only at complete UTF-8 characters).
+Prefill runs the prompt in forwards of ``prefill_chunk`` tokens (or in one); then one jitted
+``decode_step`` (cache donated) per token, each token printed as soon as it is sampled (text is
+flushed only at complete UTF-8 characters).
 Decode speed excludes the first step, which compiles.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from million_app.flags import available_memory, check_positions
 from million_app.report import human_bytes
 from million_jax.cache.spec import CacheSpec
 import models
-from models import LoadedModel, check_room, decode_step, prefill, sample_logits
+from models import LoadedModel, check_room, decode_step, prefill_prompt, sample_logits
 
 CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -59,13 +60,15 @@ def check_fits(model: LoadedModel, spec: CacheSpec, prompt_tokens: int, max_new_
 def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheSpec, *,
                     max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, seed: int = 0, out: TextIO | None = None,
-                    bar_desc: str | None = None) -> dict[str, Any]:
+                    bar_desc: str | None = None, prefill_chunk: int | None = None) -> dict[str, Any]:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, writing text to ``out``.
 
     Returns a dict: text, tokens, prompt_tokens, new_tokens, stop ("eos" / "max_tokens"),
     prefill_s, decode_tokens_per_s, cache_bytes (of the filled cache) and the memory
     accounting of ``caches.memory`` for this sequence length. ``bar_desc``: show a
     progress bar (tokens, ETA) under that name, for output that is not streamed to a terminal.
+    ``prefill_chunk``: prompt tokens per forward (None: the whole prompt in one), see
+    :func:`models.prefill_prompt`.
     """
     if not prompt_ids:
         raise UsageError("the prompt is empty")
@@ -78,8 +81,9 @@ def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheSp
     eos = set(cfg.eos_ids)
 
     t0 = time.perf_counter()
-    logits, cache = prefill(cfg, params, cache, jnp.asarray([list(prompt_ids)], jnp.int32),
-                            jnp.asarray([len(prompt_ids)], jnp.int32), consts, last_only=True)
+    logits, cache = prefill_prompt(cfg, params, cache, jnp.asarray([list(prompt_ids)], jnp.int32),
+                                   jnp.asarray([len(prompt_ids)], jnp.int32), consts,
+                                   prefill_chunk=prefill_chunk)
     logits.block_until_ready()
     prefill_s = time.perf_counter() - t0
 
@@ -120,6 +124,7 @@ def stream_generate(model: LoadedModel, prompt_ids: Sequence[int], spec: CacheSp
     r: dict[str, Any] = {
         "text": text, "tokens": generated, "prompt_tokens": len(prompt_ids),
         "new_tokens": len(generated), "stop": stop, "prefill_s": prefill_s,
+        "prefill_chunk": prefill_chunk or 0,
         "decode_steps_timed": len(timed),
         "decode_tokens_per_s": len(timed) / sum(timed) if timed else None,
         "cache_bytes_filled": int(cache.nbytes()),

@@ -12,7 +12,7 @@ jitted with the cache donated, and ``check_room`` is the host's overflow check b
 from models.config import PRESETS, DecoderConfig, LlamaConfig, RopeScaling, preset
 from models.errors import CheckpointError, ConfigError, ModelNotInstalledError
 from models.generate import (STOP_CACHE_FULL, STOP_EOS, STOP_MAX_TOKENS, GenerateResult,
-                             check_sampling, generate, sample_logits)
+                             check_sampling, generate, prefill_prompt, sample_logits)
 from models.decoder import (ContextLengthError, Params, cast_params, check_context, check_room, decode_step,
                             fill_cache, forward, init_cache, init_params, layer_inv_freqs, param_shapes, prefill,
                             rope_inv_freq)
@@ -25,7 +25,7 @@ __all__ = [
     "Params", "param_shapes", "init_params", "cast_params", "init_cache",
     "forward", "prefill", "fill_cache", "decode_step", "check_room", "check_context", "ContextLengthError",
     "rope_inv_freq", "layer_inv_freqs",
-    "generate", "GenerateResult", "check_sampling", "sample_logits", "STOP_EOS", "STOP_MAX_TOKENS",
+    "generate", "prefill_prompt", "GenerateResult", "check_sampling", "sample_logits", "STOP_EOS", "STOP_MAX_TOKENS",
     "STOP_CACHE_FULL",
     "LoadedModel", "load_model", "smollm2_gguf_path",
 ]

@@ -32,7 +32,7 @@ from million_jax.cache.base import KVCache
 from models.config import LlamaConfig
 from models.decoder import Params, decode_step, prefill
 
-__all__ = ["GenerateResult", "generate", "sample_logits", "STOP_RUNNING", "STOP_EOS",
+__all__ = ["GenerateResult", "generate", "prefill_prompt", "sample_logits", "STOP_RUNNING", "STOP_EOS",
            "STOP_MAX_TOKENS", "STOP_CACHE_FULL", "STOP_NAMES"]
 
 STOP_RUNNING, STOP_EOS, STOP_MAX_TOKENS, STOP_CACHE_FULL = 0, 1, 2, 3
@@ -143,6 +143,36 @@ def _prefill_last(config: LlamaConfig, params: Params, cache: KVCache, tokens: j
     return last, cache
 
 
+def check_prefill_chunk(chunk: Any) -> int | None:
+    """``chunk`` as None or an int >= 1; ValueError naming ``prefill_chunk`` otherwise."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1):
+        raise ValueError(f"prefill_chunk must be None or an int >= 1, got {chunk!r}")
+    return None if chunk is None else int(chunk)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("chunk",), donate_argnums=(2,))
+def _prefill_prompt_jit(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax.Array,
+                        lengths: jax.Array, cache_consts: Any, *, chunk: int | None) -> tuple[jax.Array, KVCache]:
+    return _prefill_last(config, params, cache, tokens, lengths, cache_consts, chunk)
+
+
+def prefill_prompt(config: LlamaConfig, params: Params, cache: KVCache, tokens: jax.Array,
+                   lengths: jax.Array, cache_consts: Any = None, *,
+                   prefill_chunk: int | None = None) -> tuple[jax.Array, KVCache]:
+    """Append prompts int[B, T] (row b: lengths[b] real tokens) to the cache and return
+    (logits f32[B, V] at each row's last prompt token, cache): ``prefill(last_only=True)`` in
+    one forward (``prefill_chunk=None``) or in forwards of ``prefill_chunk`` tokens (same
+    result, working memory bounded by the chunk instead of T). Jitted, ``cache`` donated;
+    nothing is checked on the host but the chunk: call ``check_room(cache, lengths)`` first.
+    """
+    chunk = check_prefill_chunk(prefill_chunk)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    chex.assert_rank(tokens, 2)
+    chex.assert_shape(lengths, (tokens.shape[0],))
+    return _prefill_prompt_jit(config, params, cache, tokens, lengths, cache_consts, chunk=chunk)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("config", "max_new_tokens", "greedy", "use_top_k", "use_top_p", "prefill_chunk"),
@@ -228,9 +258,7 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
                              f"got {lens.tolist()}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer))
-                                      or prefill_chunk < 1):
-        raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+    prefill_chunk = check_prefill_chunk(prefill_chunk)
     check_sampling(temperature, top_k, top_p)
     if key is None:
         if temperature != 0.0:
@@ -249,4 +277,4 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
                          eos, jnp.int32(pad_id), jnp.float32(temperature), jnp.int32(top_k),
                          jnp.float32(top_p), config=config, max_new_tokens=int(max_new_tokens),
                          greedy=temperature == 0.0, use_top_k=top_k > 0, use_top_p=top_p < 1.0,
-                         prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
+                         prefill_chunk=prefill_chunk)

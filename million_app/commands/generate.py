@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from million_app import caches, progress
-from million_app.commands.flag_groups import KEPT, cache_args, force_arg, model_args
+from million_app.commands.flag_groups import KEPT, cache_args, force_arg, model_args, prefill_chunk, prefill_chunk_arg
 from million_app.errors import UsageError
 from million_app.flags import cache_spec
 from million_app.generation import chat_prompt, check_fits, check_sampling, size_note, stream_generate
@@ -27,6 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    prefill_chunk_arg(p)
     p.add_argument("--json", help=f"write tokens/s, cache bytes and the text to this JSON file ({KEPT})")
     force_arg(p, "--json")
     return p
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if not ids:
         raise UsageError("the prompt is empty")
     check_sampling(args.temperature, args.top_k, args.top_p)
+    chunk = prefill_chunk(args)
     check_fits(model, spec, len(ids), args.max_new_tokens)
     if note := caches.beyond_calibration(spec, len(ids) + args.max_new_tokens, source.get("calib_window"),
                                          source.get("codebooks")):
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(args.prompt)
     r = stream_generate(model, ids, spec, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        seed=args.seed, out=sys.stdout)
+                        seed=args.seed, out=sys.stdout, prefill_chunk=chunk)
     tps = r["decode_tokens_per_s"]
     speed = f"{tps:.1f} tokens/s" if tps else "n/a (too few tokens to time)"
     print(f"[{r['new_tokens']} tokens, stop: {r['stop']}; prefill {r['prompt_tokens']} tokens in "

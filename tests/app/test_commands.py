@@ -61,6 +61,23 @@ def test_generate_streams_and_matches_jitted_generate(cli, tiny_dir, tmp_path):
     assert r["tokens"] == ref.sequences()[0][: r["new_tokens"]]
 
 
+def test_generate_prefill_chunk_gives_the_same_tokens(cli, tiny_dir, tmp_path):
+    """--prefill-chunk 3 (an 11-token prompt in 4 forwards) streams the tokens one forward gives."""
+    prompt = "The quick brown fox jumps over the lazy dog and"
+    runs = {}
+    for chunk in (0, 3):
+        out = tmp_path / f"gen{chunk}.json"
+        res = cli("generate", "--model", tiny_dir, "--prompt", prompt, "--max-new-tokens", 6,
+                  "--prefill-chunk", chunk, "--json", out, "--quiet")
+        assert res.rc == 0, res.err
+        runs[chunk] = json.loads(out.read_text())
+        assert runs[chunk]["prefill_chunk"] == chunk
+    assert runs[3]["prompt_tokens"] > 3 * 3
+    assert runs[3]["tokens"] == runs[0]["tokens"] and runs[0]["new_tokens"] >= 1
+    bad = cli("generate", "--model", tiny_dir, "--prompt", prompt, "--prefill-chunk", -5)
+    assert bad.rc != 0 and "--prefill-chunk must be >= 0" in bad.err
+
+
 def test_generate_with_pq_cache(cli, tiny_dir, codebooks, tmp_path):
     out = tmp_path / "gen.json"
     res = cli("generate", "--model", tiny_dir, "--prompt", "Hello", "--max-new-tokens", 4,

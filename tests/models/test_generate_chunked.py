@@ -1,4 +1,4 @@
-"""generate(prefill_chunk=n): the prompt in forwards of n tokens gives the one-shot prefill's
+"""prefill_prompt / generate(prefill_chunk=n): the prompt in forwards of n tokens gives the one-shot prefill's
 last-token logits, cache and greedy tokens (ragged rows, chunks shorter and longer than the
 sliding window, dense / PQ / turboquant caches, LLaMA and Gemma 3 layouts)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from million_jax import CacheSpec, fit_kv_codebooks, make_cache
-from models import generate, init_params, preset
+from models import generate, init_params, prefill, prefill_prompt, preset
 from models.generate import _prefill_last
 
 LENGTHS = np.array([29, 17], np.int32)
@@ -83,10 +83,24 @@ def test_row_that_ends_in_an_early_chunk_keeps_its_logits():
     replace its logits or its cache rows; a mutation (logits from the last chunk) fails here."""
     cfg, params, spec, tokens = _setup("tiny", "dense")
     cache, _ = make_cache(spec, cfg, batch=2, max_len=40)
-    logits, cache = _prefill_last(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(LENGTHS), None, 8)
+    logits, cache = prefill_prompt(cfg, params, cache, tokens, LENGTHS, prefill_chunk=8)
     cache1, _ = make_cache(spec, cfg, batch=1, max_len=40)
-    alone, _ = _prefill_last(cfg, params, cache1, jnp.asarray(tokens[1:, :17]), jnp.asarray(LENGTHS[1:]), None, None)
+    alone, _ = prefill(cfg, params, cache1, jnp.asarray(tokens[1:, :17]), jnp.asarray(LENGTHS[1:]), None,
+                       last_only=True)
     np.testing.assert_allclose(logits[1], alone[0], atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_prompt_in_chunks_matches_prefill_last_only():
+    """The public, jitted entry point: chunked (7) and whole-prompt (None) logits and lengths
+    equal ``prefill(last_only=True)``'s."""
+    cfg, params, spec, tokens = _setup("tiny-gemma3", "pq")
+    ref_cache, consts = make_cache(spec, cfg, batch=2, max_len=40)
+    ref, _ = prefill(cfg, params, ref_cache, jnp.asarray(tokens), jnp.asarray(LENGTHS), consts, last_only=True)
+    for chunk in (None, 7):
+        cache, consts = make_cache(spec, cfg, batch=2, max_len=40)
+        logits, cache = prefill_prompt(cfg, params, cache, tokens, LENGTHS, consts, prefill_chunk=chunk)
+        np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=1e-4)
+        np.testing.assert_array_equal(cache.lengths, LENGTHS)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True, "8"])
@@ -95,3 +109,5 @@ def test_bad_prefill_chunk_is_named(bad):
     cache, _ = make_cache(spec, cfg, batch=2, max_len=40)
     with pytest.raises(ValueError, match="prefill_chunk"):
         generate(cfg, params, cache, tokens, LENGTHS, max_new_tokens=2, prefill_chunk=bad)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        prefill_prompt(cfg, params, cache, tokens, LENGTHS, prefill_chunk=bad)
