@@ -38,6 +38,7 @@ from benchmarks.pq_loss_split import pq_reconstruct
 from million_app import caches
 from million_app.calibrate import collect_model_kv, load_model_codebooks
 from million_app.loading import tokenize
+from million_app.niah import draw_cells, parse_depths
 from million_app.passkey import passkey_prompt
 from million_jax.cache.spec import CacheSpec
 from models import LoadedModel, check_room, decode_step, load_model, prefill_prompt
@@ -57,8 +58,8 @@ def setting_spec(name: str, books: Any, precise_sinks: int) -> CacheSpec:
 
 
 def answer_logprobs(model: LoadedModel, spec: CacheSpec, prompt: list[int], answer: list[int],
-                    chunk: int | None) -> list[float]:
-    """log p(answer[i] | prompt + answer[:i]) for each answer token, through ``spec``'s cache."""
+                    chunk: int | None) -> list[np.ndarray]:
+    """float32[V] log-softmax after prompt + answer[:i], for each answer token i, through ``spec``'s cache."""
     cfg = model.config
     cache, consts = caches.build(spec, cfg, 1, len(prompt) + len(answer))
     check_room(cache, len(prompt) + len(answer) - 1)
@@ -123,9 +124,8 @@ def main() -> None:
     books, meta = load_model_codebooks(a.codebooks, model)
     precise = int(meta.get("precise_sinks", 0))
     if a.token_error:
-        rng = np.random.default_rng(a.seed)
-        length, depth = int(a.lengths.split(",")[0]), float(a.depths.split(",")[0])
-        key = int(rng.integers(10000, 100000, size=a.trials)[0])
+        length = int(a.lengths.split(",")[0])
+        depth, key = draw_cells(np.random.default_rng(a.seed), parse_depths(a.depths), a.trials)[0]
         r = {"length": length, "depth": depth, "key": key, "codebooks": a.codebooks,
              **report_token_errors(model, books, passkey_prompt(model, length, key, depth), key, a.token_error)}
         print(json.dumps(r, indent=1))
@@ -136,12 +136,11 @@ def main() -> None:
     settings = a.settings.split(",")
     specs = {s: setting_spec(s, books, precise) for s in settings}
     lengths = [int(x) for x in a.lengths.split(",")]
-    depths = [float(x) for x in a.depths.split(",")]
+    depths = parse_depths(a.depths)
     rng = np.random.default_rng(a.seed)  # the key draws of `million-jax niah` for the same flags
     rows = []
     for length in lengths:
-        cells = [(d, int(k)) for d in depths for k in rng.integers(10000, 100000, size=a.trials)]
-        for depth, key in cells:
+        for depth, key in draw_cells(rng, depths, a.trials):
             prompt = passkey_prompt(model, length, key, depth)
             answer = tokenize(model, f" {key}")
             for s in settings:

@@ -30,6 +30,13 @@ def parse_depths(text: str) -> list[float]:
     return depths
 
 
+def draw_cells(rng: np.random.Generator, depths: Sequence[float], trials: int) -> list[tuple[float, int]]:
+    """One length's cells: (depth, key) for each depth, ``trials`` keys each, drawn from ``rng``
+    (the grid draws them length by length, so any tool that repeats these draws in the same
+    order rebuilds the grid's prompts)."""
+    return [(d, int(k)) for d in depths for k in rng.integers(10000, 100000, size=trials)]
+
+
 def niah_grid(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[int], depths: Sequence[float], *,
               trials: int = 1, seed: int = 0, batch: int = 5,
               prefill_chunk: int | None = None) -> dict[str, Any]:
@@ -41,7 +48,7 @@ def niah_grid(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[
     pbar = progress.bar(len(lengths) * len(specs) * len(depths) * trials, "niah", unit="prompt")
     try:
         for length in lengths:
-            cells = [(d, int(k)) for d in depths for k in rng.integers(10000, 100000, size=trials)]
+            cells = draw_cells(rng, depths, trials)
             prompts = [passkey_prompt(model, length, k, d) for d, k in cells]
             for spec, lab in zip(specs, labels):
                 progress.status(f"niah length {length}: {lab} ({len(prompts)} prompts)")
