@@ -3,11 +3,13 @@ after a passkey prompt (teacher-forced through the real decode path), not just r
 
 The prompts are the ones ``million-jax niah`` builds for the same ``--lengths`` (in the same
 order: keys are drawn length by length), ``--depths``, ``--trials`` and ``--seed``, so a row here
-explains a cell there. Each prompt is prefilled
-(``models.prefill_prompt``, ``--chunk`` tokens per forward) into one cache per setting; then the
-key's tokens (" 12345") are fed one ``decode_step`` at a time and the log-softmax of each is
-recorded. Per prompt and setting: ``logp`` (sum over the key's tokens), ``first_logp`` / ``first_rank``
-(the first key token after the prompt), ``greedy_first`` (the first token is the argmax).
+explains a cell there. Each prompt goes through ``million_app.passkey.run_trials`` once per
+setting (``--chunk`` tokens per prefill forward): the greedy answer and, from the same prefill,
+the key's tokens (" 12345") teacher forced (``generate(forced=...)``). Per prompt and setting:
+``logp`` (sum over the key's tokens), ``first_logp`` (the first key token after the prompt),
+``correct`` (the greedy answer's first number is the key). Rows written before 2026-12-06 21:30
+UTC hold ``first_rank`` / ``greedy_first`` (the first key token is the argmax) instead of
+``correct``; ``million-jax niah`` reports the same ``key_logp`` per trial and cell.
 
 ``--token-error N``: instead, the relative squared error |x - x_hat|^2 / |x|^2 of each global layer's
 key and value through the codebooks (as the cache reads them, ``pq_loss_split.pq_reconstruct``)
@@ -39,9 +41,9 @@ from million_app import caches
 from million_app.calibrate import collect_model_kv, load_model_codebooks
 from million_app.loading import tokenize
 from million_app.niah import draw_cells, parse_depths
-from million_app.passkey import passkey_prompt
+from million_app.passkey import key_tokens, passkey_prompt, run_trials
 from million_jax.cache.spec import CacheSpec
-from models import LoadedModel, check_room, decode_step, load_model, prefill_prompt
+from models import LoadedModel, load_model
 
 
 def setting_spec(name: str, books: Any, precise_sinks: int) -> CacheSpec:
@@ -55,23 +57,6 @@ def setting_spec(name: str, books: Any, precise_sinks: int) -> CacheSpec:
         return CacheSpec("pq", codebooks=books, quantize_all=False, window=int(name[1:]), sinks=0,
                          dtype=jnp.bfloat16, precise_sinks=precise_sinks)
     raise SystemExit(f"unknown setting {name!r}: dense, all or rN with N >= 1")
-
-
-def answer_logprobs(model: LoadedModel, spec: CacheSpec, prompt: list[int], answer: list[int],
-                    chunk: int | None) -> list[np.ndarray]:
-    """float32[V] log-softmax after prompt + answer[:i], for each answer token i, through ``spec``'s cache."""
-    cfg = model.config
-    cache, consts = caches.build(spec, cfg, 1, len(prompt) + len(answer))
-    check_room(cache, len(prompt) + len(answer) - 1)
-    logits, cache = prefill_prompt(cfg, model.params, cache, np.asarray([prompt], np.int32),
-                                   np.asarray([len(prompt)], np.int32), consts, prefill_chunk=chunk)
-    out = []
-    for i, tok in enumerate(answer):
-        lp = jax.nn.log_softmax(logits[0].astype(jnp.float32))
-        out.append(lp)
-        if i + 1 < len(answer):
-            logits, cache = decode_step(cfg, model.params, cache, jnp.asarray([tok], jnp.int32), consts)
-    return [np.asarray(x) for x in out]
 
 
 def token_errors(model: LoadedModel, books: Any, prompt: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -145,19 +130,14 @@ def main() -> None:
             answer = tokenize(model, f" {key}")
             for s in settings:
                 t0 = time.perf_counter()
-                lps = answer_logprobs(model, specs[s], prompt, answer, a.chunk or None)
-                tok_lp = [float(lp[t]) for lp, t in zip(lps, answer)]
-                first = lps[0]
-                row = {"length": length, "prompt_tokens": len(prompt), "depth": depth, "key": key,
-                       "setting": s, "cache": caches.label(specs[s]), "answer_tokens": answer,
-                       "token_logp": [round(x, 4) for x in tok_lp], "logp": round(sum(tok_lp), 4),
-                       "first_logp": round(tok_lp[0], 4),
-                       "first_rank": int((first > first[answer[0]]).sum()),
-                       "greedy_first": bool(int(first.argmax()) == answer[0]),
+                trial, = run_trials(model, [prompt], [key], specs[s], 1, a.chunk or None)
+                row = {"length": length, "depth": depth, "setting": s, "cache": caches.label(specs[s]),
+                       "answer_tokens": key_tokens(model, key), **trial,
+                       "logp": trial["key_logp"], "first_logp": trial["key_token_logp"][0],
                        "wall_s": round(time.perf_counter() - t0, 1)}
                 rows.append(row)
                 print(json.dumps({k: row[k] for k in ("length", "depth", "key", "setting", "logp", "first_logp",
-                                                      "first_rank", "wall_s")}), flush=True)
+                                                      "correct", "wall_s")}), flush=True)
         write(a, precise, rows, lengths, settings)  # after each length: a long run keeps what it measured
 
 
@@ -170,7 +150,7 @@ def write(a: argparse.Namespace, precise: int, rows: list[dict[str, Any]], lengt
             sel = [r for r in rows if r["length"] == length and r["setting"] == s]
             if sel:
                 summary[f"{length} {s}"] = {"mean_logp": round(float(np.mean([r["logp"] for r in sel])), 3),
-                                            "greedy_first": sum(r["greedy_first"] for r in sel), "prompts": len(sel)}
+                                            "correct": sum(r["correct"] for r in sel), "prompts": len(sel)}
     print(json.dumps(summary, indent=1), flush=True)
     if a.json:
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)

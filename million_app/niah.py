@@ -40,11 +40,16 @@ def draw_cells(rng: np.random.Generator, depths: Sequence[float], trials: int) -
 def niah_grid(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[int], depths: Sequence[float], *,
               trials: int = 1, seed: int = 0, batch: int = 5,
               prefill_chunk: int | None = None) -> dict[str, Any]:
-    """{"lengths", "depths", "results": {label: {"accuracy": [[per depth] per length], "cells": [...]}}}."""
+    """{"lengths", "depths", "results": {label: {"accuracy": [[per depth] per length],
+    "key_logp": [[mean log p(key) per depth] per length], "cells": [...]}}}.
+
+    ``key_logp`` (teacher-forced log p of the right answer, :func:`million_app.passkey.run_trials`)
+    is the finer score: a cell's accuracy flips on a near-tie, its log p moves smoothly.
+    """
     rng = np.random.default_rng(seed)
     labels = [caches.label(s) for s in specs]
     out: dict[str, Any] = {"lengths": list(lengths), "depths": list(depths), "trials": trials, "seed": seed,
-                           "results": {lab: {"accuracy": [], "cells": []} for lab in labels}}
+                           "results": {lab: {"accuracy": [], "key_logp": [], "cells": []} for lab in labels}}
     pbar = progress.bar(len(lengths) * len(specs) * len(depths) * trials, "niah", unit="prompt")
     try:
         for length in lengths:
@@ -55,12 +60,14 @@ def niah_grid(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[
                 rows = run_trials(model, prompts, [k for _, k in cells], spec, min(batch, len(prompts)),
                                   prefill_chunk)
                 pbar.update(len(rows))
-                acc = []
+                acc, logp = [], []
                 for i, d in enumerate(depths):
                     cell = rows[i * trials:(i + 1) * trials]
                     acc.append(sum(r["correct"] for r in cell) / trials)
+                    logp.append(round(float(np.mean([r["key_logp"] for r in cell])), 4))
                     out["results"][lab]["cells"].append({"length": length, "depth": d, "trials": cell})
                 out["results"][lab]["accuracy"].append(acc)
+                out["results"][lab]["key_logp"].append(logp)
     finally:
         pbar.close()
     return out

@@ -49,28 +49,51 @@ def first_number(text: str) -> int | None:
     return int(m.group()) if m else None
 
 
+def key_tokens(model: LoadedModel, key: int) -> list[int]:
+    """The right answer's tokens as they follow the question: " 12345"."""
+    return tokenize(model, f" {key}")
+
+
 def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[int],
                spec: CacheSpec, batch: int, prefill_chunk: int | None = None) -> list[dict[str, Any]]:
     """Greedy answers to every prompt through ``spec``, ``batch`` prompts per generate call, each
-    prompt prefilled in forwards of ``prefill_chunk`` tokens (None: one forward)."""
+    prompt prefilled in forwards of ``prefill_chunk`` tokens (None: one forward).
+
+    Each row also says how sure the model is of the right answer, from the same prefill
+    (``generate(forced=...)``): ``key_logp`` = log p(" 12345" | prompt), the key's tokens teacher
+    forced (``key_token_logp`` per token), and ``first_p`` = p of its first token (a near-tie where the greedy answer is right
+    with first_p barely above the runner-up's).
+    """
     cfg = model.config
     out = []
     for i in range(0, len(prompts), batch):
         group = list(prompts[i: i + batch])
+        group_keys = list(keys[i: i + batch])
         real = len(group)
         group += [group[-1]] * (batch - real)  # one compiled shape per length
+        group_keys += [group_keys[-1]] * (batch - real)
         width = max(len(p) for p in group)
         toks = np.zeros((batch, width), np.int32)
         for j, p in enumerate(group):
             toks[j, : len(p)] = p
-        cache, consts = caches.build(spec, cfg, batch, width + ANSWER_TOKENS)
+        answers = [key_tokens(model, k) for k in group_keys]
+        forced = np.zeros((batch, max(len(a) for a in answers)), np.int32)  # ragged: padded at the end
+        for j, a in enumerate(answers):
+            forced[j, : len(a)] = a
+        room = max(ANSWER_TOKENS, forced.shape[1])
+        cache, consts = caches.build(spec, cfg, batch, width + room)
         res = generate(cfg, model.params, cache, jnp.asarray(toks),
                        jnp.asarray([len(p) for p in group], jnp.int32),
-                       max_new_tokens=ANSWER_TOKENS, cache_consts=consts, prefill_chunk=prefill_chunk)
+                       max_new_tokens=ANSWER_TOKENS, cache_consts=consts, prefill_chunk=prefill_chunk,
+                       forced=forced)
+        logp = np.asarray(res.forced_logp)
         for j, seq in enumerate(res.sequences()[:real]):
             text = model.decode(seq, skip_special_tokens=True)
             key = keys[i + j]
             out.append({"key": key, "answer": text, "correct": first_number(text) == key,
+                        "key_logp": round(float(logp[j, : len(answers[j])].sum()), 4),
+                        "key_token_logp": [round(float(x), 4) for x in logp[j, : len(answers[j])]],
+                        "first_p": round(float(np.exp(logp[j, 0])), 4),
                         "prompt_tokens": len(prompts[i + j])})
     return out
 
@@ -78,7 +101,8 @@ def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[
 def passkey_eval(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[int], *,
                  trials: int = 5, seed: int = 0, batch: int = 5,
                  prefill_chunk: int | None = None) -> dict[str, Any]:
-    """Accuracy per length for each cache spec: {"lengths": [...], "results": {label: [...]}}."""
+    """Accuracy and mean log p(key) per length for each cache spec:
+    {"lengths": [...], "results": {label: [{"length", "accuracy", "key_logp", "trials"}, ...]}}."""
     rng = np.random.default_rng(seed)
     results: dict[str, list[dict[str, Any]]] = {caches.label(s): [] for s in specs}
     for length in lengths:
@@ -92,7 +116,7 @@ def passkey_eval(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequen
                 r["depth"] = d
             results[caches.label(spec)].append({
                 "length": length, "accuracy": sum(r["correct"] for r in rows) / len(rows),
-                "trials": rows})
+                "key_logp": round(float(np.mean([r["key_logp"] for r in rows])), 4), "trials": rows})
     return {"lengths": list(lengths), "results": results}
 
 

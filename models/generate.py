@@ -16,6 +16,12 @@ points (traced into this program; they check nothing on the host): a row without
 stopped here with ``cache_full`` instead, so ``generate`` needs no ``check_room``. The last emitted token of each sequence is
 not appended to the cache (as in HF): the cache holds prompt + generated
 tokens minus the last, ready for a follow-up ``prefill``.
+
+``forced``: a continuation int[B, S] to score in the same program. After the prefill, the
+continuation is fed one ``decode_step`` at a time to a copy of the prompt's cache (teacher
+forcing) and the log-probability of each of its tokens is returned (``forced_logp``); the
+sampled answer then starts from the untouched prompt cache. One prefill serves both: a
+needle test gets the greedy answer and how sure the model is of the right one.
 """
 from __future__ import annotations
 
@@ -50,12 +56,15 @@ class GenerateResult:
     num_generated: int32[B]
     stop_reason:   int32[B], one of STOP_EOS / STOP_MAX_TOKENS / STOP_CACHE_FULL
     cache:         the cache after generation (the input cache was donated)
+    forced_logp:   float32[B, S] log p(forced[b, i] | prompt, forced[b, :i]) when ``generate``
+                   was given ``forced`` (else None); rows whose prompt did not fit hold NaN
     """
 
     tokens: jax.Array
     num_generated: jax.Array
     stop_reason: jax.Array
     cache: Any
+    forced_logp: jax.Array | None = None
 
     def stop_reasons(self) -> list[str]:
         """Per-sequence stop reason names: 'eos' / 'max_tokens' / 'cache_full'."""
@@ -179,7 +188,7 @@ def prefill_prompt(config: LlamaConfig, params: Params, cache: KVCache, tokens: 
     donate_argnames=("cache",),
 )
 def _generate_jit(params: Params, cache: KVCache, prompt_tokens: jax.Array,
-                  prompt_lengths: jax.Array, key: jax.Array, cache_consts: Any,
+                  prompt_lengths: jax.Array, key: jax.Array, cache_consts: Any, forced: jax.Array | None,
                   eos: jax.Array, pad_id: jax.Array, temperature: jax.Array, top_k: jax.Array,
                   top_p: jax.Array, *, config: LlamaConfig, max_new_tokens: int, greedy: bool,
                   use_top_k: bool, use_top_p: bool, prefill_chunk: int | None) -> GenerateResult:
@@ -188,6 +197,8 @@ def _generate_jit(params: Params, cache: KVCache, prompt_tokens: jax.Array,
     fits = cache.lengths + prompt_lengths <= max_len
     logits, cache = _prefill_last(config, params, cache, prompt_tokens, prompt_lengths, cache_consts,
                                   prefill_chunk)
+    forced_logp = None if forced is None else _score_forced(config, params, cache, logits, forced, fits,
+                                                            cache_consts)
     sample = functools.partial(_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                greedy=greedy, use_top_k=use_top_k, use_top_p=use_top_p)
 
@@ -227,7 +238,37 @@ def _generate_jit(params: Params, cache: KVCache, prompt_tokens: jax.Array,
 
     state = (jnp.int32(1), cache, tok, out, n_gen, reason, key)
     _, cache, _, out, n_gen, reason, _ = jax.lax.while_loop(cond, body, state)
-    return GenerateResult(tokens=out, num_generated=n_gen, stop_reason=reason, cache=cache)
+    return GenerateResult(tokens=out, num_generated=n_gen, stop_reason=reason, cache=cache,
+                          forced_logp=forced_logp)
+
+
+def _score_forced(config: LlamaConfig, params: Params, cache: KVCache, logits: jax.Array, forced: jax.Array,
+                  fits: jax.Array, cache_consts: Any) -> jax.Array:
+    """float32[B, S] log p of each forced token, teacher-forced through a copy of ``cache``.
+
+    logits: f32[B, V] at the last prompt token; forced: int32[B, S]. Token i is scored after
+    prompt + forced[:, :i]; the last one is never appended, so the copy needs S - 1 free rows
+    (rows without them, or whose prompt did not fit, score NaN from the first token that
+    could not be appended).
+    """
+    s = forced.shape[1]
+
+    def token_logp(lg: jax.Array, tok: jax.Array) -> jax.Array:
+        lp = jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
+        return jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+
+    out = jnp.full(forced.shape, jnp.nan, jnp.float32)
+    out = out.at[:, 0].set(jnp.where(fits, token_logp(logits, forced[:, 0]), jnp.nan))
+
+    def body(i, carry):
+        c, ok, out = carry
+        ok = ok & (c.lengths < c.max_len)
+        lg, c = decode_step(config, params, c, forced[:, i - 1], cache_consts, active=ok)
+        out = out.at[:, i].set(jnp.where(ok, token_logp(lg, forced[:, i]), jnp.nan))
+        return c, ok, out
+
+    _, _, out = jax.lax.fori_loop(1, s, body, (cache, fits, out))
+    return out
 
 
 def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens: jax.Array,
@@ -235,7 +276,7 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
              max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, eos_id: int | Sequence[int] | None = None,
              pad_id: int = 0, cache_consts: Any = None,
-             prefill_chunk: int | None = None) -> GenerateResult:
+             prefill_chunk: int | None = None, forced: jax.Array | None = None) -> GenerateResult:
     """Generate up to ``max_new_tokens`` tokens per sequence (see module docstring).
 
     prompt_tokens:  int[B, T] prompts, left-aligned, row b holds prompt_lengths[b] >= 1
@@ -244,6 +285,11 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
     eos_id:         stop id(s); None -> config.eos_ids; () -> never stop on EOS.
     prefill_chunk:  None: the prompt in one forward; n: forwards of n tokens each, same result,
                     working memory bounded by n tokens instead of T (long prompts).
+    forced:         int[B, S] (S >= 1) a continuation to score: ``result.forced_logp[b, i]`` is
+                    log p(forced[b, i] | prompt, forced[b, :i]) through the same cache (teacher
+                    forced on a copy of it, after the same prefill). Entry i depends only on
+                    forced[:, :i], so ragged continuations are padded at the end and the padding's
+                    entries ignored. The cache needs S - 1 rows of room beyond the prompt.
     The cache is donated: do not use the passed cache afterwards, use result.cache.
     """
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
@@ -260,6 +306,17 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prefill_chunk = check_prefill_chunk(prefill_chunk)
     check_sampling(temperature, top_k, top_p)
+    if forced is not None:
+        forced = jnp.asarray(forced)
+        if forced.ndim != 2 or forced.shape[0] != prompt_tokens.shape[0] or forced.shape[1] < 1:
+            raise ValueError(f"forced must be int[B={prompt_tokens.shape[0]}, S >= 1], got shape {forced.shape}")
+        if not jnp.issubdtype(forced.dtype, jnp.integer):
+            raise ValueError(f"forced must hold integer token ids, got dtype {forced.dtype}")
+        forced = forced.astype(jnp.int32)
+        if not isinstance(forced, jax.core.Tracer) and getattr(forced, "is_fully_addressable", True):
+            ids = np.asarray(forced)
+            if ids.min() < 0 or ids.max() >= config.vocab:
+                raise ValueError(f"forced token ids must be in [0, {config.vocab}), got {ids.min()}..{ids.max()}")
     if key is None:
         if temperature != 0.0:
             raise ValueError("a PRNG key is required when temperature > 0")
@@ -273,7 +330,7 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
     # padded with -1 (never sampled) to a multiple of 4 so most EOS sets share one compile
     padded = list(eos_ids) + [-1] * (-len(eos_ids) % 4 or (4 if not eos_ids else 0))
     eos = np.asarray(padded, np.int32)
-    return _generate_jit(params, cache, prompt_tokens, prompt_lengths, key, cache_consts,
+    return _generate_jit(params, cache, prompt_tokens, prompt_lengths, key, cache_consts, forced,
                          eos, jnp.int32(pad_id), jnp.float32(temperature), jnp.int32(top_k),
                          jnp.float32(top_p), config=config, max_new_tokens=int(max_new_tokens),
                          greedy=temperature == 0.0, use_top_k=top_k > 0, use_top_p=top_p < 1.0,

@@ -56,6 +56,17 @@ def run(args: argparse.Namespace) -> int:
         print("|---|" + "---|" * len(depths))
         for n, row in zip(lengths, r["results"][lab]["accuracy"]):
             print(f"| {n} | " + " | ".join(f"{a:.0%}" for a in row) + " |")
+    dense = caches.label(specs[0]) if specs[0].kind == "dense" else None
+    for s in specs:
+        lab = caches.label(s)
+        vs = f", loss vs {dense} in brackets" if dense and lab != dense else ""
+        print(f"{lab}: mean log p(key) by length x depth (teacher-forced{vs})")
+        print("| length | " + " | ".join(f"{d:.0%}" for d in depths) + " |")
+        print("|---|" + "---|" * len(depths))
+        for i, (n, row) in enumerate(zip(lengths, r["results"][lab]["key_logp"])):
+            ref = r["results"][dense]["key_logp"][i] if vs else [None] * len(row)
+            print(f"| {n} | " + " | ".join(f"{x:.2f}" + ("" if d is None else f" ({d - x:+.2f})")
+                                           for x, d in zip(row, ref)) + " |")
     r.update(model=model_name(model), prefill_chunk=args.prefill_chunk, caches={caches.label(s): {**caches.settings(s), **(source if s is spec else {})}
                                               for s in specs})
     if args.json:

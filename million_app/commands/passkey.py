@@ -44,10 +44,11 @@ def run(args: argparse.Namespace) -> int:
     r = passkey_eval(model, specs, lengths, trials=args.trials, seed=args.seed, batch=args.batch,
                      prefill_chunk=prefill_chunk(args))
     labels = [caches.label(s) for s in specs]
+    print("accuracy (mean log p of the key, teacher-forced)")
     print("| length | " + " | ".join(labels) + " |")
     print("|---|" + "---|" * len(labels))
     for i, n in enumerate(lengths):
-        accs = [f"{r['results'][lab][i]['accuracy']:.0%}" for lab in labels]
+        accs = [f"{r['results'][lab][i]['accuracy']:.0%} ({r['results'][lab][i]['key_logp']:.2f})" for lab in labels]
         print(f"| {n} | " + " | ".join(accs) + " |")
     if args.json:
         r.update(model=model_name(model), trials=args.trials, seed=args.seed, prefill_chunk=args.prefill_chunk,

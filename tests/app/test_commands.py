@@ -12,8 +12,8 @@ import pytest
 from million_app import progress
 from million_app.caches import beyond_calibration
 from million_jax import CacheSpec
-from million_app.passkey import first_number, passkey_prompt
-from models import generate, init_cache, load_model
+from million_app.passkey import first_number, key_tokens, passkey_prompt, run_trials
+from models import forward, generate, init_cache, load_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -97,6 +97,25 @@ def test_passkey_prompt_and_answer_parsing(tiny_dir):
     assert first_number(" 48213. Remember") == 48213 and first_number("none") is None
 
 
+def test_run_trials_scores_the_key_like_a_full_forward(tiny_dir):
+    """key_logp / first_p of each trial equal log p(" K" | prompt) from one forward over prompt + key."""
+    import jax
+
+    model = load_model(tiny_dir)
+    keys = [48213, 10457, 99031]
+    prompts = [passkey_prompt(model, n, k, d) for n, k, d in ((420, keys[0], 0.0), (380, keys[1], 0.5),
+                                                            (420, keys[2], 1.0))]
+    rows = run_trials(model, prompts, keys, CacheSpec("dense", dtype=jnp.float32), batch=2)
+    assert [r["key"] for r in rows] == keys
+    for r, prompt, key in zip(rows, prompts, keys):
+        ans = key_tokens(model, key)
+        seq = np.asarray([prompt + ans], np.int32)
+        lp = np.asarray(jax.nn.log_softmax(forward(model.config, model.params, seq)[0].astype(jnp.float32)))
+        ref = [lp[len(prompt) - 1 + i, t] for i, t in enumerate(ans)]
+        assert r["key_logp"] == pytest.approx(sum(ref), abs=2e-3)
+        assert r["first_p"] == pytest.approx(float(np.exp(ref[0])), abs=1e-3)
+
+
 def test_passkey_command(cli, tiny_dir, post_codebooks, tmp_path):
     out = tmp_path / "pk.json"
     res = cli("passkey", "--model", tiny_dir, "--lengths", "400", "--trials", 2, "--cache", "pq",
@@ -108,7 +127,9 @@ def test_passkey_command(cli, tiny_dir, post_codebooks, tmp_path):
     for runs in r["results"].values():
         assert len(runs) == 1 and len(runs[0]["trials"]) == 2
         assert runs[0]["accuracy"] == sum(t["correct"] for t in runs[0]["trials"]) / 2
-    assert "| 400 |" in res.out
+        assert runs[0]["key_logp"] == pytest.approx(np.mean([t["key_logp"] for t in runs[0]["trials"]]), abs=1e-3)
+        assert all(t["key_logp"] < 0 and 0 < t["first_p"] <= 1 for t in runs[0]["trials"])
+    assert "| 400 |" in res.out and "mean log p of the key" in res.out
     # post-RoPE codebooks calibrated on 256-token windows: a warning names it, even with --quiet
     assert "warning: the codebooks" in res.err and "windows of 256 tokens" in res.err and "--window 400" in res.err
 

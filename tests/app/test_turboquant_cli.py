@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 
@@ -48,6 +49,10 @@ def test_niah_grid_command(cli, tiny_dir, tmp_path):
     assert r["lengths"] == [400] and r["depths"] == [0.0, 1.0] and len(r["results"]) == 2
     for grid in r["results"].values():
         assert len(grid["accuracy"]) == 1 and len(grid["accuracy"][0]) == 2
+        for j, cell in enumerate(grid["cells"]):  # a cell's key_logp is the mean of its trials'
+            assert grid["key_logp"][0][j] == pytest.approx(np.mean([t["key_logp"] for t in cell["trials"]]), abs=1e-3)
+            assert all(np.isfinite(t["key_logp"]) and t["key_logp"] < 0 for t in cell["trials"])
+    assert "mean log p(key)" in res.out and "loss vs dense" in res.out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "niah" in res.err  # progress on stderr
     assert cli("niah", "--model", tiny_dir, "--depths", "0,1.5").rc == 2

@@ -135,3 +135,56 @@ def test_cache_is_donated(params):
     assert res.cache.layers.k.shape == cache.layers.k.shape
     if jax.default_backend() in ("cpu", "gpu"):
         assert cache.layers.k.is_deleted()
+
+
+def _forward_logp(params, prompt: list[int], cont: list[int]) -> np.ndarray:
+    """log p of each token of ``cont`` after ``prompt`` from one full forward (no cache)."""
+    seq = np.asarray([prompt + cont], np.int32)
+    lp = jax.nn.log_softmax(np.asarray(forward(CONFIG, params, seq), np.float32)[0], axis=-1)
+    return np.asarray([lp[len(prompt) - 1 + i, t] for i, t in enumerate(cont)])
+
+
+def test_forced_logp_matches_a_full_forward_and_leaves_the_answer_alone(params, greedy_ref):
+    rng = np.random.default_rng(7)
+    forced = rng.integers(1, CONFIG.vocab, size=(2, 4)).astype(np.int32)
+    res = _gen(params, max_new_tokens=6, eos_id=(), forced=forced)
+    assert res.sequences() == [g[:6] for g in greedy_ref]       # the answer starts from the prompt cache
+    np.testing.assert_array_equal(res.cache.lengths, LENGTHS + 5)
+    got = np.asarray(res.forced_logp)
+    assert got.shape == (2, 4) and got.dtype == np.float32
+    for b, n in enumerate(LENGTHS):
+        ref = _forward_logp(params, list(PROMPTS[b, :n]), list(forced[b]))
+        np.testing.assert_allclose(got[b], ref, atol=2e-4, rtol=1e-4)
+    assert _gen(params, max_new_tokens=2).forced_logp is None
+
+
+def test_forced_logp_of_the_greedy_answer_is_its_argmax(params, greedy_ref):
+    forced = np.asarray([g[:3] for g in greedy_ref], np.int32)
+    res = _gen(params, max_new_tokens=3, eos_id=(), forced=forced)
+    cache = init_cache(CONFIG, 2, 32, jnp.float32)
+    logits = np.asarray(prefill(CONFIG, params, cache, PROMPTS, LENGTHS)[0], np.float32)
+    first = jax.nn.log_softmax(logits[np.arange(2), LENGTHS - 1], axis=-1)
+    np.testing.assert_allclose(np.asarray(res.forced_logp)[:, 0], np.max(np.asarray(first), -1), atol=1e-4)
+
+
+def test_forced_without_room_or_fit_is_nan(params):
+    forced = np.ones((2, 4), np.int32)
+    res = _gen(params, max_len=6, max_new_tokens=1, forced=forced)   # row 0: 1 free row, row 1: 3
+    lp = np.asarray(res.forced_logp)
+    assert np.all(np.isfinite(lp[0, :2])) and np.all(np.isnan(lp[0, 2:]))
+    assert np.all(np.isfinite(lp[1]))
+    res = _gen(params, max_len=4, max_new_tokens=1, forced=forced)   # row 0's prompt does not fit
+    assert np.all(np.isnan(np.asarray(res.forced_logp)[0]))
+
+
+@pytest.mark.parametrize("forced, match", [
+    (np.ones((3, 2), np.int32), "forced must be int"),
+    (np.ones((2, 0), np.int32), "forced must be int"),
+    (np.ones((2,), np.int32), "forced must be int"),
+    (np.ones((2, 2), np.float32), "integer token ids"),
+    (np.full((2, 2), CONFIG.vocab, np.int32), "forced token ids"),
+    (np.full((2, 2), -1, np.int32), "forced token ids"),
+])
+def test_bad_forced_is_named(params, forced, match):
+    with pytest.raises(ValueError, match=match):
+        _gen(params, max_new_tokens=2, forced=forced)
