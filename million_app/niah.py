@@ -74,7 +74,9 @@ def niah_grid(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[
 
 
 def heatmap(result: dict[str, Any], path: str, title: str = "") -> None:
-    """One accuracy heatmap (length x depth) per cache, side by side, written to ``path`` (PNG)."""
+    """One accuracy heatmap (length x depth) per cache, side by side, written to ``path`` (PNG);
+    each cell also shows its mean log p(key) where the grid has it (grids made before 2026-12-06
+    hold accuracy only)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,17 +86,22 @@ def heatmap(result: dict[str, Any], path: str, title: str = "") -> None:
     fig, axes = plt.subplots(1, len(labels), figsize=(3.2 * len(labels) + 1, 3.4), squeeze=False)
     for ax, lab in zip(axes[0], labels):
         acc = np.asarray(result["results"][lab]["accuracy"], float)
+        logp = result["results"][lab].get("key_logp")
         im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
         ax.set_xticks(range(len(result["depths"])), [f"{d:.0%}" for d in result["depths"]], fontsize=7)
         ax.set_yticks(range(len(result["lengths"])), [str(n) for n in result["lengths"]], fontsize=7)
         ax.set_xlabel("needle depth")
-        ax.set_ylabel("context tokens")
+        if ax is axes[0][0]:
+            ax.set_ylabel("context tokens")
         ax.set_title(lab, fontsize=8)
         for i in range(acc.shape[0]):
             for j in range(acc.shape[1]):
-                ax.text(j, i, f"{acc[i, j]:.0%}", ha="center", va="center", fontsize=7)
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+                text = f"{acc[i, j]:.0%}" + (f"\n{logp[i][j]:.2f}" if logp else "")
+                ax.text(j, i, text, ha="center", va="center", fontsize=7)
+    has_logp = "key_logp" in result["results"][labels[0]]
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8,
+                 label="accuracy" + ("\n(cell text: accuracy, mean log p(key))" if has_logp else ""))
     if title:
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle(title, fontsize=9, y=1.02)
     fig.savefig(path, dpi=110, bbox_inches="tight", format="png")
     plt.close(fig)
