@@ -127,7 +127,6 @@ def main() -> None:
     for length in lengths:
         for depth, key in draw_cells(rng, depths, a.trials):
             prompt = passkey_prompt(model, length, key, depth)
-            answer = tokenize(model, f" {key}")
             for s in settings:
                 t0 = time.perf_counter()
                 trial, = run_trials(model, [prompt], [key], specs[s], 1, a.chunk or None)

@@ -74,7 +74,7 @@ def main() -> None:
             for name, spec in caches.items():
                 prompt, key, depth = plan[length][t]
                 t0 = time.perf_counter()
-                (r,) = run_trials(model, [prompt], [key], spec, 1)
+                (r,) = run_trials(model, [prompt], [key], spec, 1, score=False)
                 r.update(depth=depth, trial=t, seconds=round(time.perf_counter() - t0, 1))
                 rows[name][length].append(r)
                 print(f"trial {t} length {length} {name}: {'ok' if r['correct'] else 'FAIL'} "

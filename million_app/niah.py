@@ -14,7 +14,7 @@ import numpy as np
 
 from million_app import caches, progress
 from million_app.errors import UsageError
-from million_app.passkey import passkey_prompt, run_trials
+from million_app.passkey import mean_key_logp, passkey_prompt, run_trials
 from million_jax.cache.spec import CacheSpec
 from models import LoadedModel
 
@@ -64,7 +64,7 @@ def niah_grid(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[
                 for i, d in enumerate(depths):
                     cell = rows[i * trials:(i + 1) * trials]
                     acc.append(sum(r["correct"] for r in cell) / trials)
-                    logp.append(round(float(np.mean([r["key_logp"] for r in cell])), 4))
+                    logp.append(mean_key_logp(cell))
                     out["results"][lab]["cells"].append({"length": length, "depth": d, "trials": cell})
                 out["results"][lab]["accuracy"].append(acc)
                 out["results"][lab]["key_logp"].append(logp)

@@ -55,47 +55,56 @@ def key_tokens(model: LoadedModel, key: int) -> list[int]:
 
 
 def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[int],
-               spec: CacheSpec, batch: int, prefill_chunk: int | None = None) -> list[dict[str, Any]]:
+               spec: CacheSpec, batch: int, prefill_chunk: int | None = None, *,
+               score: bool = True) -> list[dict[str, Any]]:
     """Greedy answers to every prompt through ``spec``, ``batch`` prompts per generate call, each
     prompt prefilled in forwards of ``prefill_chunk`` tokens (None: one forward).
 
-    Each row also says how sure the model is of the right answer, from the same prefill
-    (``generate(forced=...)``): ``key_logp`` = log p(" 12345" | prompt), the key's tokens teacher
-    forced (``key_token_logp`` per token), and ``first_p`` = p of its first token (a near-tie where the greedy answer is right
-    with first_p barely above the runner-up's).
+    With ``score`` (default) each row also says how sure the model is of the right answer, from
+    the same prefill (``generate(forced=...)``, which holds a second copy of the cache at its
+    peak): ``key_logp`` = log p(" 12345" | prompt) with the key's tokens teacher forced,
+    ``key_token_logp`` per token, and ``first_p`` = p of its first token. A right greedy answer
+    with a first_p near 1/2 or below is a near-tie that a small perturbation can flip.
     """
     cfg = model.config
+    answers = [key_tokens(model, k) for k in keys]
+    # one width for the whole run (one compiled shape), ragged keys padded at the end
+    forced_width = max(len(a) for a in answers)
     out = []
     for i in range(0, len(prompts), batch):
         group = list(prompts[i: i + batch])
-        group_keys = list(keys[i: i + batch])
+        group_answers = list(answers[i: i + batch])
         real = len(group)
         group += [group[-1]] * (batch - real)  # one compiled shape per length
-        group_keys += [group_keys[-1]] * (batch - real)
+        group_answers += [group_answers[-1]] * (batch - real)
         width = max(len(p) for p in group)
         toks = np.zeros((batch, width), np.int32)
-        for j, p in enumerate(group):
+        forced = np.zeros((batch, forced_width), np.int32)
+        for j, (p, a) in enumerate(zip(group, group_answers)):
             toks[j, : len(p)] = p
-        answers = [key_tokens(model, k) for k in group_keys]
-        forced = np.zeros((batch, max(len(a) for a in answers)), np.int32)  # ragged: padded at the end
-        for j, a in enumerate(answers):
             forced[j, : len(a)] = a
-        room = max(ANSWER_TOKENS, forced.shape[1])
-        cache, consts = caches.build(spec, cfg, batch, width + room)
+        cache, consts = caches.build(spec, cfg, batch, width + max(ANSWER_TOKENS, forced_width))
         res = generate(cfg, model.params, cache, jnp.asarray(toks),
                        jnp.asarray([len(p) for p in group], jnp.int32),
                        max_new_tokens=ANSWER_TOKENS, cache_consts=consts, prefill_chunk=prefill_chunk,
-                       forced=forced)
-        logp = np.asarray(res.forced_logp)
+                       forced=forced if score else None)
+        logp = np.asarray(res.forced_logp) if score else None
         for j, seq in enumerate(res.sequences()[:real]):
             text = model.decode(seq, skip_special_tokens=True)
             key = keys[i + j]
-            out.append({"key": key, "answer": text, "correct": first_number(text) == key,
-                        "key_logp": round(float(logp[j, : len(answers[j])].sum()), 4),
-                        "key_token_logp": [round(float(x), 4) for x in logp[j, : len(answers[j])]],
-                        "first_p": round(float(np.exp(logp[j, 0])), 4),
-                        "prompt_tokens": len(prompts[i + j])})
+            row = {"key": key, "answer": text, "correct": first_number(text) == key,
+                   "prompt_tokens": len(prompts[i + j])}
+            if score:
+                lp = logp[j, : len(group_answers[j])]
+                row.update(key_logp=round(float(lp.sum()), 4), key_token_logp=[round(float(x), 4) for x in lp],
+                           first_p=float(f"{np.exp(lp[0]):.4g}"))
+            out.append(row)
     return out
+
+
+def mean_key_logp(rows: Sequence[dict[str, Any]]) -> float:
+    """Mean ``key_logp`` of trial rows (rounded to 4 decimals), the score of a cell or length."""
+    return round(float(np.mean([r["key_logp"] for r in rows])), 4)
 
 
 def passkey_eval(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[int], *,
@@ -116,7 +125,7 @@ def passkey_eval(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequen
                 r["depth"] = d
             results[caches.label(spec)].append({
                 "length": length, "accuracy": sum(r["correct"] for r in rows) / len(rows),
-                "key_logp": round(float(np.mean([r["key_logp"] for r in rows])), 4), "trials": rows})
+                "key_logp": mean_key_logp(rows), "trials": rows})
     return {"lengths": list(lengths), "results": results}
 
 

@@ -21,7 +21,8 @@ tokens minus the last, ready for a follow-up ``prefill``.
 continuation is fed one ``decode_step`` at a time to a copy of the prompt's cache (teacher
 forcing) and the log-probability of each of its tokens is returned (``forced_logp``); the
 sampled answer then starts from the untouched prompt cache. One prefill serves both: a
-needle test gets the greedy answer and how sure the model is of the right one.
+needle test gets the greedy answer and how sure the model is of the right one, for about one
+more cache of peak memory (the copy).
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ class GenerateResult:
     stop_reason:   int32[B], one of STOP_EOS / STOP_MAX_TOKENS / STOP_CACHE_FULL
     cache:         the cache after generation (the input cache was donated)
     forced_logp:   float32[B, S] log p(forced[b, i] | prompt, forced[b, :i]) when ``generate``
-                   was given ``forced`` (else None); rows whose prompt did not fit hold NaN
+                   was given ``forced`` (else None); NaN where the prompt did not fit or from
+                   the first entry whose preceding forced token found no free cache row
     """
 
     tokens: jax.Array
@@ -288,8 +290,10 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
     forced:         int[B, S] (S >= 1) a continuation to score: ``result.forced_logp[b, i]`` is
                     log p(forced[b, i] | prompt, forced[b, :i]) through the same cache (teacher
                     forced on a copy of it, after the same prefill). Entry i depends only on
-                    forced[:, :i], so ragged continuations are padded at the end and the padding's
-                    entries ignored. The cache needs S - 1 rows of room beyond the prompt.
+                    forced[:, :i + 1], so ragged continuations are padded at the end and the
+                    padding's entries ignored. The cache needs S - 1 rows of room beyond the
+                    prompt (entries past the room are NaN). Cost: the copy, about one more cache
+                    in device memory at the peak.
     The cache is donated: do not use the passed cache afterwards, use result.cache.
     """
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
@@ -307,16 +311,16 @@ def generate(config: LlamaConfig, params: Params, cache: KVCache, prompt_tokens:
     prefill_chunk = check_prefill_chunk(prefill_chunk)
     check_sampling(temperature, top_k, top_p)
     if forced is not None:
-        forced = jnp.asarray(forced)
-        if forced.ndim != 2 or forced.shape[0] != prompt_tokens.shape[0] or forced.shape[1] < 1:
-            raise ValueError(f"forced must be int[B={prompt_tokens.shape[0]}, S >= 1], got shape {forced.shape}")
-        if not jnp.issubdtype(forced.dtype, jnp.integer):
-            raise ValueError(f"forced must hold integer token ids, got dtype {forced.dtype}")
-        forced = forced.astype(jnp.int32)
+        shape, dtype = np.shape(forced), getattr(forced, "dtype", np.asarray(forced).dtype)
+        if len(shape) != 2 or shape[0] != prompt_tokens.shape[0] or shape[1] < 1:
+            raise ValueError(f"forced must be int[B={prompt_tokens.shape[0]}, S >= 1], got shape {shape}")
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(f"forced must hold integer token ids, got dtype {dtype}")
         if not isinstance(forced, jax.core.Tracer) and getattr(forced, "is_fully_addressable", True):
-            ids = np.asarray(forced)
+            ids = np.asarray(forced)  # checked on the host before any cast to int32
             if ids.min() < 0 or ids.max() >= config.vocab:
                 raise ValueError(f"forced token ids must be in [0, {config.vocab}), got {ids.min()}..{ids.max()}")
+        forced = jnp.asarray(forced, jnp.int32)
     if key is None:
         if temperature != 0.0:
             raise ValueError("a PRNG key is required when temperature > 0")

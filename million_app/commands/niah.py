@@ -33,6 +33,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def print_table(title: str, lengths: list[int], depths: list[float], cells: list[list[str]]) -> None:
+    """A markdown table: one row per length, one column per depth."""
+    print(title)
+    print("| length | " + " | ".join(f"{d:.0%}" for d in depths) + " |")
+    print("|---|" + "---|" * len(depths))
+    for n, row in zip(lengths, cells):
+        print(f"| {n} | " + " | ".join(row) + " |")
+
+
 def run(args: argparse.Namespace) -> int:
     check_positive(trials=args.trials, batch=args.batch)
     for flag, path in (("--json", args.json), ("--png", args.png)):
@@ -49,24 +58,19 @@ def run(args: argparse.Namespace) -> int:
         specs.append(spec)
     r = niah_grid(model, specs, lengths, depths, trials=args.trials, seed=args.seed, batch=args.batch,
                   prefill_chunk=prefill_chunk(args))
-    for s in specs:
-        lab = caches.label(s)
-        print(f"{lab}: accuracy by length (rows) x depth (columns)")
-        print("| length | " + " | ".join(f"{d:.0%}" for d in depths) + " |")
-        print("|---|" + "---|" * len(depths))
-        for n, row in zip(lengths, r["results"][lab]["accuracy"]):
-            print(f"| {n} | " + " | ".join(f"{a:.0%}" for a in row) + " |")
     dense = caches.label(specs[0]) if specs[0].kind == "dense" else None
     for s in specs:
         lab = caches.label(s)
-        vs = f", loss vs {dense} in brackets" if dense and lab != dense else ""
-        print(f"{lab}: mean log p(key) by length x depth (teacher-forced{vs})")
-        print("| length | " + " | ".join(f"{d:.0%}" for d in depths) + " |")
-        print("|---|" + "---|" * len(depths))
-        for i, (n, row) in enumerate(zip(lengths, r["results"][lab]["key_logp"])):
-            ref = r["results"][dense]["key_logp"][i] if vs else [None] * len(row)
-            print(f"| {n} | " + " | ".join(f"{x:.2f}" + ("" if d is None else f" ({d - x:+.2f})")
-                                           for x, d in zip(row, ref)) + " |")
+        print_table(f"{lab}: accuracy by length (rows) x depth (columns)", lengths, depths,
+                    [[f"{a:.0%}" for a in row] for row in r["results"][lab]["accuracy"]])
+    for s in specs:
+        lab = caches.label(s)
+        vs = dense is not None and lab != dense
+        ref = r["results"][dense]["key_logp"] if vs else None
+        rows = [[f"{x:.2f}" + (f" ({ref[i][j] - x:+.2f})" if vs else "") for j, x in enumerate(row)]
+                for i, row in enumerate(r["results"][lab]["key_logp"])]
+        print_table(f"{lab}: mean log p(key) by length x depth (teacher-forced"
+                    + (f", loss vs {dense} in brackets)" if vs else ")"), lengths, depths, rows)
     r.update(model=model_name(model), prefill_chunk=args.prefill_chunk, caches={caches.label(s): {**caches.settings(s), **(source if s is spec else {})}
                                               for s in specs})
     if args.json:

@@ -13,7 +13,8 @@ from million_app import progress
 from million_app.caches import beyond_calibration
 from million_jax import CacheSpec
 from million_app.passkey import first_number, key_tokens, passkey_prompt, run_trials
-from models import forward, generate, init_cache, load_model
+from logp_reference import continuation_logp
+from models import generate, init_cache, load_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -98,22 +99,32 @@ def test_passkey_prompt_and_answer_parsing(tiny_dir):
 
 
 def test_run_trials_scores_the_key_like_a_full_forward(tiny_dir):
-    """key_logp / first_p of each trial equal log p(" K" | prompt) from one forward over prompt + key."""
-    import jax
-
+    """key_logp / first_p of each trial equal log p(" K" | prompt) from one forward over prompt + key,
+    keys of different token counts in one batch (padded at the end)."""
     model = load_model(tiny_dir)
-    keys = [48213, 10457, 99031]
+    keys = [48213, 7, 99031]
     prompts = [passkey_prompt(model, n, k, d) for n, k, d in ((420, keys[0], 0.0), (380, keys[1], 0.5),
                                                             (420, keys[2], 1.0))]
+    assert len(key_tokens(model, 7)) < len(key_tokens(model, 48213))
     rows = run_trials(model, prompts, keys, CacheSpec("dense", dtype=jnp.float32), batch=2)
     assert [r["key"] for r in rows] == keys
     for r, prompt, key in zip(rows, prompts, keys):
-        ans = key_tokens(model, key)
-        seq = np.asarray([prompt + ans], np.int32)
-        lp = np.asarray(jax.nn.log_softmax(forward(model.config, model.params, seq)[0].astype(jnp.float32)))
-        ref = [lp[len(prompt) - 1 + i, t] for i, t in enumerate(ans)]
-        assert r["key_logp"] == pytest.approx(sum(ref), abs=2e-3)
-        assert r["first_p"] == pytest.approx(float(np.exp(ref[0])), abs=1e-3)
+        ref = continuation_logp(model.config, model.params, prompt, key_tokens(model, key))
+        assert len(r["key_token_logp"]) == len(ref)
+        assert r["key_logp"] == pytest.approx(float(ref.sum()), abs=2e-3)
+        assert r["first_p"] == pytest.approx(float(np.exp(ref[0])), rel=1e-3)
+
+
+def test_scoring_leaves_the_answers_of_a_quantized_cache_alone(tiny_dir):
+    """The forced copy of the cache does not touch the greedy answer (turboquant, ragged prompts)."""
+    model = load_model(tiny_dir)
+    keys = [48213, 10457, 99031]
+    prompts = [passkey_prompt(model, n, k, 0.5) for n, k in zip((420, 380, 400), keys)]
+    spec = CacheSpec("turboquant", bits=4, dtype=jnp.float32)
+    scored = run_trials(model, prompts, keys, spec, batch=3)
+    plain = run_trials(model, prompts, keys, spec, batch=3, score=False)
+    assert [r["answer"] for r in scored] == [r["answer"] for r in plain]
+    assert "key_logp" not in plain[0] and all(np.isfinite(r["key_logp"]) for r in scored)
 
 
 def test_passkey_command(cli, tiny_dir, post_codebooks, tmp_path):

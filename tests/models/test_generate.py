@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from logp_reference import continuation_logp
 
 from models import (STOP_CACHE_FULL, STOP_EOS, STOP_MAX_TOKENS, forward, generate, init_cache, prefill,
                     preset, sample_logits)
@@ -137,13 +138,6 @@ def test_cache_is_donated(params):
         assert cache.layers.k.is_deleted()
 
 
-def _forward_logp(params, prompt: list[int], cont: list[int]) -> np.ndarray:
-    """log p of each token of ``cont`` after ``prompt`` from one full forward (no cache)."""
-    seq = np.asarray([prompt + cont], np.int32)
-    lp = jax.nn.log_softmax(np.asarray(forward(CONFIG, params, seq), np.float32)[0], axis=-1)
-    return np.asarray([lp[len(prompt) - 1 + i, t] for i, t in enumerate(cont)])
-
-
 def test_forced_logp_matches_a_full_forward_and_leaves_the_answer_alone(params, greedy_ref):
     rng = np.random.default_rng(7)
     forced = rng.integers(1, CONFIG.vocab, size=(2, 4)).astype(np.int32)
@@ -153,18 +147,31 @@ def test_forced_logp_matches_a_full_forward_and_leaves_the_answer_alone(params, 
     got = np.asarray(res.forced_logp)
     assert got.shape == (2, 4) and got.dtype == np.float32
     for b, n in enumerate(LENGTHS):
-        ref = _forward_logp(params, list(PROMPTS[b, :n]), list(forced[b]))
+        ref = continuation_logp(CONFIG, params, list(PROMPTS[b, :n]), list(forced[b]))
         np.testing.assert_allclose(got[b], ref, atol=2e-4, rtol=1e-4)
     assert _gen(params, max_new_tokens=2).forced_logp is None
 
 
-def test_forced_logp_of_the_greedy_answer_is_its_argmax(params, greedy_ref):
-    forced = np.asarray([g[:3] for g in greedy_ref], np.int32)
-    res = _gen(params, max_new_tokens=3, eos_id=(), forced=forced)
-    cache = init_cache(CONFIG, 2, 32, jnp.float32)
-    logits = np.asarray(prefill(CONFIG, params, cache, PROMPTS, LENGTHS)[0], np.float32)
-    first = jax.nn.log_softmax(logits[np.arange(2), LENGTHS - 1], axis=-1)
-    np.testing.assert_allclose(np.asarray(res.forced_logp)[:, 0], np.max(np.asarray(first), -1), atol=1e-4)
+def test_forced_logp_of_the_greedy_answer_is_each_steps_max(params, greedy_ref):
+    """Forcing the greedy answer: every entry is the max log-softmax of its step (the sampler's argmax)."""
+    forced = np.asarray([g[:4] for g in greedy_ref], np.int32)
+    res = _gen(params, max_new_tokens=4, eos_id=(), forced=forced)
+    for b, n in enumerate(LENGTHS):
+        seq = np.asarray([list(PROMPTS[b, :n]) + greedy_ref[b][:3]], np.int32)
+        lp = jax.nn.log_softmax(np.asarray(forward(CONFIG, params, seq), np.float32)[0], axis=-1)
+        np.testing.assert_allclose(np.asarray(res.forced_logp)[b], lp[n - 1: n + 3].max(-1), atol=2e-4)
+
+
+def test_ragged_forced_padded_at_the_end(params):
+    """A row padded after its real continuation scores its real tokens as an unpadded call does."""
+    full = np.asarray([[5, 6, 7, 8], [9, 10, 11, 12]], np.int32)
+    padded = full.copy()
+    padded[1, 2:] = 0
+    a = np.asarray(_gen(params, max_new_tokens=1, forced=full).forced_logp)
+    b = np.asarray(_gen(params, max_new_tokens=1, forced=padded).forced_logp)
+    np.testing.assert_allclose(b[0], a[0], atol=1e-5)
+    np.testing.assert_allclose(b[1, :2], a[1, :2], atol=1e-5)
+    assert not np.allclose(b[1, 2:], a[1, 2:], atol=1e-3)   # the padding's entries differ: ignore them
 
 
 def test_forced_without_room_or_fit_is_nan(params):
