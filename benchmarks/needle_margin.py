@@ -59,9 +59,10 @@ def setting_spec(name: str, books: Any, precise_sinks: int) -> CacheSpec:
     raise SystemExit(f"unknown setting {name!r}: dense, all or rN with N >= 1")
 
 
-def token_errors(model: LoadedModel, books: Any, prompt: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def token_errors(model: LoadedModel, books: Any, prompt: list[int]) -> tuple[np.ndarray, ...]:
     """Relative squared error of every prompt token's key and value, float[L_global, N] each
-    (mean over KV heads), through ``books`` as the PQ cache encodes and reads them."""
+    (mean over KV heads), through ``books`` as the PQ cache encodes and reads them (the codes
+    alone: a file's explicit norms are not applied), then the norm ratios |x_hat| / |x| alike."""
     n = len(prompt)
     k, v = collect_model_kv(model, prompt, window=n, batch=1, max_tokens=n)  # [Lg, Hkv, N, d] post-RoPE
     errs = []
@@ -70,22 +71,25 @@ def token_errors(model: LoadedModel, books: Any, prompt: list[int]) -> tuple[np.
         kk, vv = (jnp.asarray(x[i]).transpose(1, 0, 2)[None] for x in (k, v))  # [1, N, Hkv, d]
         kh, vh = pq_reconstruct(layer_books, kk, vv, jnp.arange(n)[None])
         errs.append([np.asarray((((xh - x) ** 2).sum(-1) / (x ** 2).sum(-1))[0].mean(-1))
-                     for x, xh in ((kk, kh), (vv, vh))])
-    return np.stack([e[0] for e in errs]), np.stack([e[1] for e in errs])
+                     for x, xh in ((kk, kh), (vv, vh))]
+                    + [np.asarray((jnp.linalg.norm(xh, axis=-1) / jnp.linalg.norm(x, axis=-1))[0].mean(-1))
+                       for x, xh in ((kk, kh), (vv, vh))])
+    return tuple(np.stack([e[j] for e in errs]) for j in range(4))
 
 
 def report_token_errors(model: LoadedModel, books: Any, prompt: list[int], key: int, last: int) -> dict[str, Any]:
     """The errors of the last ``last`` tokens and the needle's tokens beside the prompt's median / p90."""
-    ek, ev = token_errors(model, books, prompt)
+    ek, ev, rk, rv = token_errors(model, books, prompt)
     needle = tokenize(model, f"The pass key is {key}.")
     at = next(j for j in range(len(prompt)) if prompt[j: j + len(needle)] == needle)
     pick = {"last": range(len(prompt) - last, len(prompt)), "needle": range(at, at + len(needle))}
     out: dict[str, Any] = {"median": {"key": np.median(ek, 1).round(4).tolist(), "value": np.median(ev, 1).round(4).tolist()},
                            "p90": {"key": np.percentile(ek, 90, 1).round(4).tolist(),
-                                   "value": np.percentile(ev, 90, 1).round(4).tolist()}}
+                                   "value": np.percentile(ev, 90, 1).round(4).tolist()},
+                           "mean_norm_ratio": {"key": rk.mean(1).round(4).tolist(), "value": rv.mean(1).round(4).tolist()}}
     for name, rng in pick.items():
         out[name] = [{"pos": t, "token": model.decode([prompt[t]]), "key": ek[:, t].round(4).tolist(),
-                      "value": ev[:, t].round(4).tolist(),
+                      "value": ev[:, t].round(4).tolist(), "key_norm_ratio": rk[:, t].round(4).tolist(),
                       "key_percentile": [round(float((ek[layer] < ek[layer, t]).mean() * 100), 1)
                                          for layer in range(ek.shape[0])]} for t in rng]
     return out
