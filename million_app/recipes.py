@@ -227,11 +227,14 @@ BEST_FOR_BITS: dict[str, dict[int, str]] = {
 # Gemma 3 270M, keys before RoPE, 4 precise sinks, every other key/value from codes (same files):
 #   2 b  pq2-pre +7.36 / +6.81%  -> -n +5.23 / +5.44%  -> -nu +5.36 / +6.13%  (2.06 b/elem)
 #   3 b  pq3-pre +1.88 / +1.28%  -> -n +1.66 / +1.08%  -> -nu +1.82 / +1.59%  (3.06 b/elem)
-#   4 b  pq4-pre +0.19 / +0.56%  -> -n +0.05 / +0.74%  -> -nu +0.35 / +0.34%  (mixed: not adopted)
+#   4 b  pq4-pre +0.19 / +0.56%  -> -n +0.05 / +0.74%  -> -nu +0.35 / +0.34%  (a tie on perplexity;
+#        -n adopted 2026-12-06 for the needle: at 32K, 3 keys at 50% depth, teacher-forced log p(key)
+#        loses 0.64 / 0.45 / 0.69 / 0.54 nats to dense with pq4-pre and 0.32 / 0.41 / 0.46 / 0.02 with
+#        -n, k-means seeds 0-3; frontier/gemma3/README.md "Norm-explicit at 4 b, adopted")
 #   2 b  two RoPE pairs per key sub-space (pair_groups/README.md): pq2-pre-g2-n +2.76 / +2.44%,
 #        -nu +3.15 / +3.36% (2.06 b/elem): pq2-pre-g2-n
 FAMILY_BEST_FOR_BITS: dict[str, dict[str, dict[int, str]]] = {
-    "gemma3": {"pre": {3: "pq3-pre-n", 2: "pq2-pre-g2-n"}},
+    "gemma3": {"pre": {4: "pq4-pre-n", 3: "pq3-pre-n", 2: "pq2-pre-g2-n"}},
 }
 
 # recipe name -> exact first tokens recorded in the codebook file (`calibrate --bits B`; `eval`

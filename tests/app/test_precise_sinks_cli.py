@@ -94,7 +94,9 @@ def test_calibrate_bits_records_four_sinks_on_gemma3(cli, tmp_path):
         res = cli("calibrate", "--model", gemma, "--text", "builtin:calib", "--tokens", "1024", "--window", "256",
                   "--bits", "4", *flags, "--iters", "1", "--max-vectors", "512", "--out", path, "--quiet")
         assert res.rc == 0, res.err
-        assert load_codebooks(str(path))[1]["precise_sinks"] == want
+        meta = load_codebooks(str(path))[1]
+        assert meta["precise_sinks"] == want
+        assert meta["recipe"] == recipe_for_bits(4, "pre", "gemma3").name == "pq4-pre-n"  # Gemma's 4 b recipe
     four = recipe_for_bits(4, "pre")
     assert four.name not in PRECISE_SINKS and adopted_precise_sinks(four, "llama") == 0
     assert adopted_precise_sinks(None, "gemma3") == 0

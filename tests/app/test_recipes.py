@@ -189,5 +189,6 @@ def test_family_tables_name_real_recipes_and_override_the_default():
                 assert recipe.rope == rope and recipe.bits_per_element == bits, name
     assert recipe_for_bits(3, "pre", "gemma3").name == FAMILY_BEST_FOR_BITS["gemma3"]["pre"][3]
     assert recipe_for_bits(3, "pre", "llama").name == BEST_FOR_BITS["pre"][3]
-    assert recipe_for_bits(4, "pre", "gemma3").name == BEST_FOR_BITS["pre"][4]  # no override at 4 b
+    assert recipe_for_bits(4, "pre", "gemma3").name == "pq4-pre-n" != BEST_FOR_BITS["pre"][4]
+    assert recipe_for_bits(4, "post", "gemma3").name == BEST_FOR_BITS["post"][4]  # no post-RoPE override
     assert recipe_for_bits(3, "pre", "gemma3").name != recipe_for_bits(3, "pre").name
