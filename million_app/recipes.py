@@ -209,7 +209,10 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 # (benchmarks/results/frontier/norm_explicit/README.md, 2026-12-05, same codebook files):
 #   SmolLM2 2 b  pq2-r2-qa +36.7 / +39.2%  -> -n +23.7 / +28.6%  -> -nu +23.5 / +23.0%  (2.25 b/elem)
 #   SmolLM2 3 b  pq3-pre   +10.4 / +11.9%  -> -n  +8.1 / +10.6%  -> -nu  +6.8 /  +5.8%  (3.25 b/elem)
-#   SmolLM2 4 b  pq4-pre    +2.4 /  +1.0%  -> -n  +2.5 /  +1.5%  -> -nu  +1.8 /  +1.0%  (mixed: not adopted)
+#   SmolLM2 4 b  pq4-pre    +2.4 /  +1.0%  -> -n  +2.5 /  +1.5%  -> -nu  +1.8 /  +1.0%  (mixed on ppl;
+#                -nu adopted 2026-12-06 for the needle: 8K, 100% depth, 3 keys, log p(key) below dense
+#                1.56 / 1.41 nats with pq4-pre, 0.83 / 0.72 with -nu, seeds 0 / 1; 4.25 b/elem;
+#                norm_explicit/README.md "Needle")
 # "-n" rescales today's codebooks' reconstructions to the stored norm; "-nu" fits the codebooks on
 # unit vectors and encodes x / |x| (NEQ). Gemma 3 (its 4 sinks kept) prefers "-n": see
 # FAMILY_BEST_FOR_BITS.
@@ -220,7 +223,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 #   keys before RoPE (only --bits 1 stays after it).
 BEST_FOR_BITS: dict[str, dict[int, str]] = {
     "post": {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-r2-qa-nu", 1: "pq1-qa"},
-    "pre": {4: "pq4-pre", 3: "pq3-pre-nu", 2: "pq2-pre-g2-nu"},
+    "pre": {4: "pq4-pre-nu", 3: "pq3-pre-nu", 2: "pq2-pre-g2-nu"},
 }
 
 # model family -> key_rope -> bits -> recipe, where a family measured another best than BEST_FOR_BITS.

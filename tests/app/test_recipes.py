@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from million_app.calibrate import load_model_codebooks
-from million_app.recipes import BEST_FOR_BITS, RECIPES
+from million_app.recipes import BEST_FOR_BITS, RECIPES, recipe_for_bits
 from million_jax.quant.codebook_io import load_codebooks
 from cli_result import one_error_line
 
@@ -127,10 +127,11 @@ def test_calibrate_bits_reports_counts_and_eta(cli, tiny_dir, tmp_path, monkeypa
     res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", 512, "--window", 512,
               "--bits", 4, "--iters", 1, "--max-vectors", 512, "--out", tmp_path / "b.safetensors")
     assert res.rc == 0, res.err
+    name = recipe_for_bits(4, "pre").name
     for needle in ("calibration forward (1 window of 512): 128/512 tokens", "ETA",
-                   "calibration forward (1 window of 512): 512/512 tokens", "k-means (pq4-pre): 1/", " fits, "):
+                   "calibration forward (1 window of 512): 512/512 tokens", f"k-means ({name}): 1/", " fits, "):
         assert needle in res.err, (needle, res.err)
-    assert any(line.startswith("  k-means (pq4-pre): ") and "ETA" in line for line in res.err.splitlines()), res.err
+    assert any(line.startswith(f"  k-means ({name}): ") and "ETA" in line for line in res.err.splitlines()), res.err
 
 
 @pytest.mark.parametrize("change,match", [
