@@ -182,11 +182,15 @@ def main() -> None:
     ids = tokenize(model, load_text("builtin:eval", "--text"))
     w = eval_windows(ids, a.window, a.max_tokens)
     rows = []
-    variants = [(part, dict(quant_k="keys" in part, quant_v="values" in part)) for part in a.parts.split(",") if part]
+    # norm-explicit codebooks (calibrate --norms on / unit) are read as the cache reads them: every row
+    # rescales to the stored norm (and encodes unit vectors) on the sides the file says
+    own = dict(norm_k=books.key_norms, norm_v=books.value_norms, unit=books.unit_codes)
+    variants = [(part, dict(own, quant_k="keys" in part, quant_v="values" in part)) for part in a.parts.split(",")
+                if part]
     if a.sinks:
-        variants.append((f"keys+values, {a.sinks} exact sinks", dict(sinks=a.sinks)))
+        variants.append((f"keys+values, {a.sinks} exact sinks", dict(own, sinks=a.sinks)))
         if a.sink_int8:
-            variants.append((f"keys+values, {a.sinks} int8 sinks", dict(sinks=a.sinks, sink_int8=True)))
+            variants.append((f"keys+values, {a.sinks} int8 sinks", dict(own, sinks=a.sinks, sink_int8=True)))
     if a.norm_explicit:
         variants.append(("keys+values, exact bf16 norms", dict(norm_k=True, norm_v=True)))
         variants.append(("keys+values, exact bf16 key norms", dict(norm_k=True)))

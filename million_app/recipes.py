@@ -200,6 +200,10 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq2-pre-g2", 4, 8, 4, 8, rope="pre"),
     Recipe("pq2-pre-g2-n", 4, 8, 4, 8, rope="pre", norms=True),
     Recipe("pq2-pre-g2-nu", 4, 8, 4, 8, rope="pre", norms=True, unit=True),
+    # the same 4 b/elem of codes moved from values to keys (keys carry the 4 b loss on SmolLM2:
+    # frontier/README.md (A1)); 2-dim sub-spaces, keys 9 / 10 bits, values 7 / 6 bits
+    Recipe("pq4-pre-nu-k4.5v3.5", 2, 9, 2, 7, rope="pre", norms=True, unit=True),
+    Recipe("pq4-pre-nu-k5v3", 2, 10, 2, 6, rope="pre", norms=True, unit=True),
 )}
 
 # key_rope -> bits per element -> recipe name, the measured best per budget (module docstring,
