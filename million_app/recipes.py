@@ -201,7 +201,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq2-pre-g2-n", 4, 8, 4, 8, rope="pre", norms=True),
     Recipe("pq2-pre-g2-nu", 4, 8, 4, 8, rope="pre", norms=True, unit=True),
     # the same 4 b/elem of codes moved from values to keys (keys carry the 4 b loss on SmolLM2:
-    # frontier/README.md (A1)); 2-dim sub-spaces, keys 9 / 10 bits, values 7 / 6 bits
+    # frontier/README.md (A1)); 2-dim sub-spaces, keys 9 / 10 bits, values 7 / 6 bits. Measured
+    # 2026-12-07, not adopted: 9 / 7 ties pq4-pre-nu (+1.57 vs +1.60%, 32768 tokens, seeds 0 / 1),
+    # 10 / 6 lost on both seeds (frontier/key_bits/README.md)
     Recipe("pq4-pre-nu-k4.5v3.5", 2, 9, 2, 7, rope="pre", norms=True, unit=True),
     Recipe("pq4-pre-nu-k5v3", 2, 10, 2, 6, rope="pre", norms=True, unit=True),
 )}
