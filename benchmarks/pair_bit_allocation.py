@@ -40,7 +40,7 @@ from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
 from million_app.recipes import Recipe, fit_recipe
 from million_jax import rope
-from million_jax.quant.kv_codebooks import PQCodebooks
+from million_jax.quant.kv_codebooks import PQCodebooks, unit_vectors
 from million_jax.quant.pq import Codebooks
 from million_jax.quant.residual_pq import decode_stages, encode_stages
 
@@ -58,14 +58,15 @@ def pair_score_error(centroids: dict[int, np.ndarray], k: np.ndarray, gram: np.n
     for layer in range(L):
         kl = jnp.asarray(k[layer], jnp.float32)[None]  # [1, H, N, d]
         norm = jnp.linalg.norm(kl, axis=-1, keepdims=True)
-        x = rope.to_pair_layout(kl / norm if unit else kl, 1)
-        g = np.asarray(gram[layer], np.float64) / np.asarray(count[layer], np.float64)[:, None, None]
-        q2 = np.stack([g[:, i, i] + g[:, i + P, i + P] for i in range(P)], -1)  # [H, P]
+        x = rope.to_pair_layout(unit_vectors(kl) if unit else kl, 1)  # pair m at dims (2m, 2m + 1)
+        diag = np.diagonal(np.asarray(gram[layer], np.float64), axis1=-2, axis2=-1) / \
+            np.asarray(count[layer], np.float64)[:, None]  # [H, d]
+        q2 = diag[:, :P] + diag[:, P:]  # E|q_m|^2 of RoPE pair m = dims (m, m + d/2): [H, P]
         for j, w in enumerate(widths):
             cb = Codebooks(jnp.asarray(centroids[w][layer]))
             x_hat = decode_stages(cb, encode_stages(cb, x, 1), 1)
             if unit:  # the cache rescales to the stored norm
-                x_hat = x_hat / jnp.linalg.norm(x_hat, axis=-1, keepdims=True)
+                x_hat = unit_vectors(x_hat)
             e = (norm * (x - x_hat) if unit else x - x_hat)[0]
             e2 = np.asarray(e ** 2, np.float64).reshape(H, -1, P, 2).sum(-1).mean(1)  # [H, P]
             out[layer, :, :, j] = q2 * e2 / 2
@@ -122,13 +123,18 @@ def main() -> None:
     widths = sorted(int(w) for w in a.widths.split(","))
     if widths != list(range(widths[0], widths[-1] + 1)) or base.key_nbits not in widths:
         raise SystemExit(f"--widths must be consecutive and hold the base's key width {base.key_nbits}")
-    k, v, gram, count, used = calibration_kvq(model, tokenize(model, load_text(a.calib, "--calib")),
-                                              tokens=a.tokens, window=512, key_rope="pre")
     centroids = {base.key_nbits: np.asarray(base.key.centroids)}
     for item in filter(None, a.key_books.split(",")):
         w, path = item.split("=", 1)
         books, _ = load_model_codebooks(path, model)
+        same = (books.key_rope, books.key.centroids.shape[-1], books.stages, books.key_norms, books.unit_codes) == \
+            (base.key_rope, 2, 1, base.key_norms, base.unit_codes)
+        if not same or books.key_nbits != int(w):
+            raise SystemExit(f"--key-books {item}: not --base's recipe with {w}-bit keys "
+                             f"(got {books.recipe}, {books.key_nbits}-bit keys)")
         centroids[int(w)] = np.asarray(books.key.centroids)
+    k, v, gram, count, used = calibration_kvq(model, tokenize(model, load_text(a.calib, "--calib")),
+                                              tokens=a.tokens, window=512, key_rope="pre")
     for w in widths:
         if w not in centroids:
             r = Recipe(f"keys{w}", 2, w, 2, w, rope="pre", norms=base.key_norms, unit=base.unit_codes)
