@@ -131,6 +131,8 @@ def settings(spec: CacheSpec) -> dict[str, Any]:
                    query_aware_keys=b.key_transform is not None,
                    output_aware_values=b.value_transform is not None, stages=b.stages,
                    granularity=b.granularity)
+        if b.key_parts is not None:
+            out["key_parts"] = [list(p) for p in b.key_parts]
     elif spec.kind == "turboquant":
         out.update(bits=spec.bits, qjl=spec.qjl, rotation_seed=spec.seed)
     elif spec.kind == "kivi":

@@ -10,6 +10,7 @@ fill 3 bytes, two 12-bit codes 3 bytes; codes that do not divide 8 straddle byte
     code_bytes(M, nbits)                         -> (first byte, shift) of each code, window
     assemble_codes(window_bytes, shift, nbits)   -> the codes, from the bytes each code touches
     pack_parts / unpack_parts / part_bit_layout  -> a layout of several parts of different widths
+    pack_layout / unpack_layout  -> the same for one code array uint[..., M] (split / joined here)
 
 ``assemble_codes`` is the one formula that reads a code out of its bytes: :func:`unpack_codes`
 (jnp gathers) and the Pallas kernel (pointer loads of the same bytes) both call it.
@@ -29,7 +30,7 @@ import numpy as np
 
 __all__ = ["MAX_PACKED_BITS", "packed_width", "stored_width", "is_packed", "codebook_nbits", "code_bytes",
            "assemble_codes", "pack_codes", "unpack_codes", "maybe_unpack", "Parts", "check_parts", "parts_width",
-           "parts_window", "part_bit_layout", "pack_parts", "unpack_parts"]
+           "parts_window", "part_bit_layout", "pack_parts", "unpack_parts", "pack_layout", "unpack_layout"]
 
 MAX_PACKED_BITS = 15  # a code plus its bit offset (< 8) spans at most 3 bytes
 
@@ -193,3 +194,20 @@ def unpack_parts(packed: jax.Array, parts: Parts) -> list[jax.Array]:
         out.append(sl if b == 8 else unpack_codes(sl, n, b))
         off += w
     return out
+
+
+def pack_layout(codes: jax.Array, parts: Parts) -> jax.Array:
+    """codes int[..., M] (M = sum n_p; code m of part p < 2**bits_p) -> uint8[..., parts_width(parts)]:
+    :func:`pack_parts` of the runs of ``parts`` cut from one array."""
+    parts = check_parts(parts)
+    if codes.shape[-1] != sum(n for n, _ in parts):
+        raise ValueError(f"layout {parts} holds {sum(n for n, _ in parts)} codes per token, got {codes.shape[-1]}")
+    cuts = np.cumsum([n for n, _ in parts])[:-1]
+    return pack_parts(jnp.split(codes, cuts, axis=-1), parts)
+
+
+def unpack_layout(packed: jax.Array, parts: Parts) -> jax.Array:
+    """Inverse of :func:`pack_layout`: uint8[..., M] (uint16 when a part is wider than 8 bits)."""
+    out = unpack_parts(packed, parts)
+    dtype = jnp.uint16 if max(b for _, b in check_parts(parts)) > 8 else jnp.uint8
+    return jnp.concatenate([c.astype(dtype) for c in out], axis=-1)

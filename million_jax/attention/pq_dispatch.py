@@ -165,6 +165,7 @@ def pq_code_attention(
     check_codes: bool = True,
     k_scales: ArrayOrSlice | None = None,
     v_scales: ArrayOrSlice | None = None,
+    k_parts: Parts | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of q float[B, T, H, d] over codes uint[B, Hkv, N, M] for lo <= s < hi.
 
@@ -179,13 +180,14 @@ def pq_code_attention(
       RoPE pairs, code row s = absolute position s; :func:`million_jax.attention.pq_xla.pq_attention_xla`).
     k_scales, v_scales: float[B, Hkv, N, 1] (arrays or LayerSlices) or None: per-token factors of
       each stored key's score / value (norm-explicit PQ); the kernel takes them as its per-token scales.
+    k_parts: key codes of several widths in this layout (``PQCodebooks.key_parts``), or None.
     Returns (out f32[B, T, H, d], lse f32[B, T, H]), 0 / -inf for a query that sees nothing.
     """
     if check_codes:
-        check_code_fit(q.shape[-1], k_codes, v_codes, k_books, v_books)
+        check_code_fit(q.shape[-1], k_codes, v_codes, k_books, v_books, k_parts)
     shapes = [None if x is None else jax.ShapeDtypeStruct(tuple(x.shape[:-1]), x.dtype) for x in (k_scales, v_scales)]
     plan = kernel_plan(impl, q, k_codes, v_codes, k_books, v_books, mesh, rope=rope_inv_freq is not None,
-                       k_scales=shapes[0], v_scales=shapes[1])
+                       k_scales=shapes[0], v_scales=shapes[1], k_parts=k_parts)
     if plan is not None:
         k_codes, v_codes = as_array(k_codes), as_array(v_codes)
         ks, vs = (None if x is None else as_array(x)[..., 0] for x in (k_scales, v_scales))
@@ -193,7 +195,7 @@ def pq_code_attention(
                            jnp.maximum(hi[:, 0], lo[:, 0]), mesh, scale, rope_inv_freq, k_scales=ks, v_scales=vs)
         return out[:, None], lse[:, None]
     return pq_attention_xla(q, k_codes, v_codes, k_books, v_books, lo, hi, scale=scale, rope_inv_freq=rope_inv_freq,
-                            check_codes=False, k_scales=k_scales, v_scales=v_scales)
+                            check_codes=False, k_scales=k_scales, v_scales=v_scales, k_parts=k_parts)
 
 
 def turboquant_code_attention(

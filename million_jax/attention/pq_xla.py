@@ -15,6 +15,7 @@ Shapes (one layer):
     q:            float[B, T, H, d]
     k_codes:      uint8|uint16[B, Hkv, N, Mk], or packed uint8[B, Hkv, N, ceil(Mk * nbits / 8)]
                   (:mod:`pallas_kernels.code_packing`; unpacked here one tile at a time)
+                  or, with ``k_parts`` (codes of several widths), uint8[B, Hkv, N, parts_width(k_parts)]
     v_codes:      alike with Mv (keys and values may have different M and nbits)
     k_centroids:  float[G, Mk, Kk, d / Mk], G in {1, Hkv}   (v_centroids: [G, Mv, Kv, d / Mv])
     lo, hi:       int32[B, T]   query t of sequence b sees tokens lo <= s < hi
@@ -37,7 +38,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.code_packing import codebook_nbits, is_packed, maybe_unpack
+from pallas_kernels.code_packing import Parts, check_parts, codebook_nbits, is_packed, maybe_unpack, parts_width, unpack_layout
 from million_jax.attention.tiling import tiled_attention
 from pallas_kernels.pq_math import (
     build_lut,
@@ -62,15 +63,23 @@ __all__ = ["pq_attention_xla", "check_code_fit", "LUT_MAX_QUERIES"]
 LUT_MAX_QUERIES = 8
 
 
-def check_code_fit(d: int, k_codes, v_codes, k_centroids, v_centroids) -> None:
+def check_code_fit(d: int, k_codes, v_codes, k_centroids, v_centroids, k_parts: Parts | None = None) -> None:
     """ValueError unless codes [B, Hkv, N, width] fit their codebooks [G, M, K, dsub] (width M,
-    or M packed codes of log2 K bits; M * dsub = d) and keys and values agree on [B, Hkv, N].
-    Shapes only (trace time)."""
+    or M packed codes of log2 K bits, or with ``k_parts`` uint8 key codes in that layout, its counts
+    summing to M and its widest part log2 K bits; M * dsub = d) and keys and values agree on
+    [B, Hkv, N]. Shapes only (trace time)."""
     for name, codes, cb in (("key", k_codes, k_centroids), ("value", v_codes, v_centroids)):
         g, m_cb, kc, dsub = cb.shape
         nbits = codebook_nbits(kc)
         try:
-            is_packed(codes.shape[-1], m_cb, nbits)
+            if name == "key" and k_parts is not None:
+                parts = check_parts(k_parts)
+                if (sum(n for n, _ in parts) != m_cb or max(b for _, b in parts) != nbits
+                        or codes.dtype != jnp.uint8 or codes.shape[-1] != parts_width(parts)):
+                    raise ValueError(f"codes {codes.dtype}[..., {codes.shape[-1]}] are not M={m_cb} codes in the "
+                                     f"layout {parts} (uint8[..., {parts_width(parts)}], widest part {nbits} bits)")
+            else:
+                is_packed(codes.shape[-1], m_cb, nbits)
         except ValueError as e:
             raise ValueError(f"{name} codebook [G={g}, M={m_cb}, K={kc}, dsub={dsub}] does not fit its codes: "
                              f"{e}") from None
@@ -95,17 +104,22 @@ def pq_attention_xla(
     check_codes: bool = True,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    k_parts: Parts | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of q over tokens stored as PQ codes (see module docstring).
 
     check_codes: check the codes against their codebooks (:func:`check_code_fit`); False for
-    callers that did it once already (the PQ cache, in ``layer_consts``)."""
+    callers that did it once already (the PQ cache, in ``layer_consts``). k_parts: the key codes'
+    layout of several widths (``PQCodebooks.key_parts``) or None."""
     if check_codes:
-        check_code_fit(q.shape[-1], k_codes, v_codes, k_centroids, v_centroids)
+        check_code_fit(q.shape[-1], k_codes, v_codes, k_centroids, v_centroids, k_parts)
     b, t, h, d = q.shape
     hkv = k_codes.shape[1]
     n = k_codes.shape[2]
-    unpack_k = lambda c: maybe_unpack(c, k_centroids.shape[1], codebook_nbits(k_centroids.shape[2]))  # noqa: E731
+    if k_parts is None:
+        unpack_k = lambda c: maybe_unpack(c, k_centroids.shape[1], codebook_nbits(k_centroids.shape[2]))  # noqa: E731
+    else:
+        unpack_k = lambda c: unpack_layout(c, k_parts)  # noqa: E731
     unpack_v = lambda c: maybe_unpack(c, v_centroids.shape[1], codebook_nbits(v_centroids.shape[2]))  # noqa: E731
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = group_heads(q.astype(jnp.float32), hkv)  # [B, Hkv, G, T, d]

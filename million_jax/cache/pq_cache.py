@@ -5,7 +5,8 @@ State (``PQLayer``, stacked over layers; a registered dataclass pytree donated a
     k_codes, v_codes:  uint8|uint16[L, B, Hkv, T_max, M]  every token, encoded at append
                        (M and nbits of keys and values may differ; codes of nbits other
                        than 8 are packed at their real width: uint8[..., ceil(M * nbits / 8)], see
-                       :mod:`pallas_kernels.code_packing`)
+                       :mod:`pallas_kernels.code_packing`; key codes of several widths,
+                       ``PQCodebooks.key_parts``, in that layout: uint8[..., parts_width])
     sink_k, sink_v:    float[L, B, Hkv, S, d]              first S tokens, exact
     ring_k, ring_v:    float[L, B, Hkv, W, d]              last W tokens, exact (slot = pos % W)
     k_scales, v_scales: bfloat16[L, B, Hkv, T_max, 1] or None  norm-explicit codebooks only
@@ -58,7 +59,7 @@ from million_jax import rope
 from million_jax.attention.exact import tiled_dense_attention
 from million_jax.cache.base import CACHE_DIMS, Writes, check_cache_args, kept_tokens, register_cache, token_rows
 from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
-from pallas_kernels.code_packing import is_packed, pack_codes, stored_width
+from pallas_kernels.code_packing import Parts, check_parts, is_packed, pack_codes, pack_layout, parts_width, stored_width
 from million_jax.attention.pq_dispatch import KernelMesh, check_impl, pq_code_attention
 from million_jax.quant.kv_transforms import apply_head_transform
 from million_jax.quant.pq import Codebooks, code_dtype
@@ -94,14 +95,22 @@ class PQLayer(ExactWindowLayer):
     quantize_all: bool = False
     impl: str = "auto"
     mesh: KernelMesh | None = None
-    # (key M, key nbits, value M, value nbits, residual stages) the codes were made for (None:
-    # not recorded); a packed width alone cannot tell 4 x 3-bit codes from 2 x 5-bit ones
-    budgets: tuple[int, int, int, int, int] | None = None
+    # (key M, key nbits, value M, value nbits, residual stages, key parts) the codes were made for
+    # (None: not recorded); a packed width alone cannot tell 4 x 3-bit codes from 2 x 5-bit ones
+    budgets: tuple[int, int, int, int, int, Parts | None] | None = None
 
     def check_books(self, consts: PQCodebooks) -> PQCodebooks:
         """``consts``, if the stored codes fit them (width M, or M packed codes of nbits, and the
         dtype they make); else ValueError. Codes stacked [L, ...] or one layer's alike."""
+        if consts.key_parts is not None:
+            want = parts_width(consts.key_parts)
+            if self.k_codes.dtype != jnp.uint8 or self.k_codes.shape[-1] != want:
+                raise ValueError(f"key codebooks store codes in the layout {consts.key_parts} (uint8[..., {want}]) "
+                                 f"but the cache holds {self.k_codes.dtype}[..., {self.k_codes.shape[-1]}]: make "
+                                 "the cache with PQCache.for_codebooks(codebooks, ...)")
         for name, books, codes in (("key", consts.key, self.k_codes), ("value", consts.value, self.v_codes)):
+            if name == "key" and consts.key_parts is not None:
+                continue
             m, nb, width = books.num_subspaces, books.nbits, codes.shape[-1]
             try:
                 packed = is_packed(width, m, nb)
@@ -151,6 +160,7 @@ class PQLayer(ExactWindowLayer):
         stored = pq_code_attention(qc, self.k_codes, self.v_codes, kcb, vcb, lo, jnp.minimum(hi, lengths[:, None]),
                                    impl=self.impl, mesh=self.mesh, scale=scale, rope_inv_freq=freqs,
                                    check_codes=False,  # checked once, in layer_consts
+                                   k_parts=consts.key_parts,
                                    k_scales=self.k_scales, v_scales=self.v_scales)
         new_k = gather_centroids(kcb, new_kc)  # [B, Hkv, T, S * d]
         new_v = gather_centroids(vcb, new_vc)
@@ -177,7 +187,7 @@ class PQLayer(ExactWindowLayer):
         if self.has_exact:
             out_e, lse_e = self.exact_attention(q, k, v, lengths, n_new)
             out, _ = merge_partials([out, out_e], [lse, lse_e])
-        writes = {"k_codes": (rows, _stored_codes(new_kc, consts.key, self.k_codes.shape[-1])),
+        writes = {"k_codes": (rows, _stored_codes(new_kc, consts.key, self.k_codes.shape[-1], consts.key_parts)),
                   "v_codes": (rows, _stored_codes(new_vc, consts.value, self.v_codes.shape[-1])),
                   **scale_writes, **self.write_exact(k, v, lengths, n_new)}
         return out.astype(q.dtype), writes
@@ -205,9 +215,12 @@ def norm_scales(x: jax.Array, decoded: jax.Array, inverse: jax.Array | None, sta
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0).astype(NORM_SCALE_DTYPE)
 
 
-def _stored_codes(codes: jax.Array, books: Codebooks, width: int) -> jax.Array:
-    """codes [B, Hkv, T, M] -> [B, T, Hkv, width] as the cache stores them (packed if width says so)."""
+def _stored_codes(codes: jax.Array, books: Codebooks, width: int, parts: Parts | None = None) -> jax.Array:
+    """codes [B, Hkv, T, M] -> [B, T, Hkv, width] as the cache stores them (packed if width says so;
+    in the layout ``parts`` when given)."""
     codes = jnp.swapaxes(codes, 1, 2)
+    if parts is not None:
+        return pack_layout(codes, parts)
     return pack_codes(codes, books.nbits) if is_packed(width, books.num_subspaces, books.nbits) else codes
 
 
@@ -237,7 +250,7 @@ class PQCache(ExactWindowCache):
                M: int, nbits: int, window: int = 0, sinks: int = 0, dtype: Any = jnp.bfloat16,
                quantize_all: bool = False, impl: str = "auto", value_M: int | None = None,
                value_nbits: int | None = None, pack: bool = True, stages: int = 1, key_norms: bool = False,
-               value_norms: bool = False) -> "PQCache":
+               value_norms: bool = False, key_parts: Parts | None = None) -> "PQCache":
         """An empty cache; ``window`` (W) and ``sinks`` (S) may be 0.
 
         M / nbits are the keys' budget; value_M / value_nbits the values' (default: the keys').
@@ -247,6 +260,8 @@ class PQCache(ExactWindowCache):
         (uint8[..., ceil(M * nbits / 8)]); False: one per uint8 (nbits < 8) / uint16 (nbits > 8).
         Every attention path, the Pallas kernel included, reads both layouts.
         ``key_norms`` / ``value_norms``: room for the per-token norm scales of norm-explicit codebooks.
+        ``key_parts``: key codes of several widths (``PQCodebooks.key_parts``; their counts sum to M,
+        the widest is ``nbits``), stored uint8[..., parts_width(key_parts)] whatever ``pack`` says.
         """
         check_cache_args(dict(zip(CACHE_DIMS, (num_layers, batch, num_kv_heads, max_len, head_dim))), dtype,
                          window, sinks)
@@ -258,6 +273,10 @@ class PQCache(ExactWindowCache):
                 raise ValueError(f"head_dim {head_dim} is not divisible by {name}={m}"
                                  + (f" / stages={stages}" if stages > 1 else ""))
         check_impl(impl)
+        if key_parts is not None:
+            key_parts = check_parts(key_parts)
+            if sum(n for n, _ in key_parts) != M or max(b for _, b in key_parts) != nbits:
+                raise ValueError(f"key_parts {key_parts} must hold M={M} codes, the widest of nbits={nbits} bits")
         lead = (num_layers, batch, num_kv_heads, max_len)
 
         def codes(m: int, nb: int) -> jax.Array:
@@ -266,9 +285,10 @@ class PQCache(ExactWindowCache):
 
         # distinct buffers for every field: a donated pytree must not hold one buffer twice
         scales = lambda on: jnp.zeros(lead + (1,), NORM_SCALE_DTYPE) if on else None  # noqa: E731
-        layers = PQLayer(k_codes=codes(M, nbits), v_codes=codes(value_M, value_nbits), quantize_all=quantize_all,
+        k_codes = codes(M, nbits) if key_parts is None else jnp.zeros(lead + (parts_width(key_parts),), jnp.uint8)
+        layers = PQLayer(k_codes=k_codes, v_codes=codes(value_M, value_nbits), quantize_all=quantize_all,
                          k_scales=scales(key_norms), v_scales=scales(value_norms),
-                         impl=impl, budgets=(M, nbits, value_M, value_nbits, stages), **empty_window((num_layers, batch, num_kv_heads), sinks, window, head_dim, dtype))
+                         impl=impl, budgets=(M, nbits, value_M, value_nbits, stages, key_parts), **empty_window((num_layers, batch, num_kv_heads), sinks, window, head_dim, dtype))
         return cls(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
 
     @classmethod
@@ -278,7 +298,7 @@ class PQCache(ExactWindowCache):
         return cls.create(codebooks.num_layers, batch, num_kv_heads, max_len, codebooks.head_dim,
                           M=codebooks.key_M, nbits=codebooks.key_nbits, value_M=codebooks.value_M,
                           value_nbits=codebooks.value_nbits, stages=codebooks.stages, key_norms=codebooks.key_norms,
-                          value_norms=codebooks.value_norms, **kw)
+                          value_norms=codebooks.value_norms, key_parts=codebooks.key_parts, **kw)
 
     def layer_consts(self, cache_consts: PQCodebooks | None = None) -> PQCodebooks:
         """The codebooks, checked against this cache (they are scanned with the layers).
@@ -291,7 +311,7 @@ class PQCache(ExactWindowCache):
         L, _, hkv = self.layers.k_codes.shape[:3]
         cache_consts.check(L, hkv, self.head_dim)
         books = (cache_consts.key_M, cache_consts.key_nbits, cache_consts.value_M, cache_consts.value_nbits,
-                 cache_consts.stages)
+                 cache_consts.stages, cache_consts.key_parts)
         if self.layers.budgets is not None and tuple(self.layers.budgets) != books:
             raise ValueError(f"codebooks (key M, nbits, value M, nbits, stages = {books}) do not match the cache "
                              f"({tuple(self.layers.budgets)})")

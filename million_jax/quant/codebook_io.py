@@ -7,7 +7,8 @@ the optional key / value transforms float32[L, Gt, d, d] as extra tensors ``key_
 ``stages`` in the metadata, 1 when absent; keys quantized before RoPE record ``key_rope: "pre"``
 and their RoPE frequencies as the extra tensor ``rope_inv_freq`` float32[d/2]; ``"post"`` when
 absent; norm-explicit codebooks record ``key_norms`` / ``value_norms`` / ``unit_codes`` true,
-false when absent).
+false when absent; key codes of several widths record ``key_parts`` as [[count, bits], ...], absent
+or null for one width).
 
 File layout: one tensor per named codebook set (e.g. ``"key"`` and ``"value"``),
 each float32[*G, M, K, dsub]; the safetensors header metadata holds one entry
@@ -197,7 +198,8 @@ def save_kv_codebooks(path: str | os.PathLike, books: PQCodebooks,
     meta = dict(metadata or {})
     meta.update(granularity=books.granularity, n_layers=books.num_layers, stages=books.stages,
                 head_dim=books.head_dim, key_rope=books.key_rope, key_norms=books.key_norms,
-                value_norms=books.value_norms, unit_codes=books.unit_codes)
+                value_norms=books.value_norms, unit_codes=books.unit_codes,
+                key_parts=None if books.key_parts is None else [list(p) for p in books.key_parts])
     extras = {name: np.asarray(getattr(books, name), np.float32) for name in _KV_EXTRAS
               if getattr(books, name) is not None}
     save_codebooks(path, {"key": key, "value": value}, meta, extras, atomic=atomic)
@@ -237,6 +239,12 @@ def load_kv_codebooks(path: str | os.PathLike, expect: Mapping[str, Any] | None 
             if not isinstance(x, bool):
                 raise ValueError(f"{name}={x!r} in the metadata (true or false)")
         books = books.with_explicit_norms(norms["key_norms"], norms["value_norms"], norms["unit_codes"])
+        parts = meta.get("key_parts")
+        if parts is not None:
+            if not isinstance(parts, list) or not all(
+                    isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p) for p in parts):
+                raise ValueError(f"key_parts={parts!r} in the metadata ([[count, bits], ...] of ints, or null)")
+            books = books.with_key_parts(tuple(tuple(p) for p in parts))
     except ValueError as e:
         raise CodebookFileError(f"{os.fspath(path)}: {e}") from None
     return books, meta

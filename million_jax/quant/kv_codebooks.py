@@ -39,6 +39,15 @@ each reconstruction has the norm of the vector it codes. 16 more bits per token 
 encodes x / |x| (the norm is all in the scale, the codes only carry the direction: NEQ, Dai et al.
 2020); without it today's codebooks code x itself and the scale corrects the length.
 Build them with :meth:`PQCodebooks.with_explicit_norms`.
+
+``key_parts`` (static; None: every key code has ``key_nbits`` bits): key codes of several widths,
+a layout ``((n_0, bits_0), (n_1, bits_1), ...)`` over the key sub-spaces in order
+(:mod:`pallas_kernels.code_packing`, sum n_p = key_M): sub-space m of a part of b bits uses its
+first 2**b centroids only; the key codebook holds K = 2**max(bits) rows, the rows past 2**b of a
+narrower sub-space being copies of its centroid 0 (the encoder's argmin keeps the first of equal
+distances, so they are never chosen). The cache stores each part at its own width, so a per-pair
+allocation of key bits (:mod:`million_jax.calibration.pair_bits`) costs its mean width.
+Build them with :meth:`PQCodebooks.with_key_parts`.
 """
 from __future__ import annotations
 
@@ -53,6 +62,7 @@ from million_jax import rope
 from million_jax.quant.kv_transforms import check_transform, inverse, inverse_transpose
 from million_jax.quant.pq import Codebooks
 from million_jax.quant.residual_pq import check_stages
+from pallas_kernels.code_packing import Parts, check_parts
 
 __all__ = ["PQCodebooks", "GRANULARITIES", "NORM_SCALE_BITS", "NORM_SCALE_DTYPE", "check_pre_rope_keys", "unit_vectors"]
 
@@ -109,7 +119,7 @@ _TRANSFORMS = ("key_transform", "query_transform", "value_transform", "output_tr
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value", *_TRANSFORMS],
                    meta_fields=["granularity", "stages", "rope_inv_freq", "key_norms", "value_norms",
-                                "unit_codes"])
+                                "unit_codes", "key_parts"])
 @dataclasses.dataclass(frozen=True)
 class PQCodebooks:
     """key / value: Codebooks with centroids float32[L, G, S * M, K, dsub] ([G, S * M, K, dsub] per
@@ -128,6 +138,7 @@ class PQCodebooks:
     key_norms: bool = False  # static: a per-token norm scale stored beside the key codes
     value_norms: bool = False  # ... and beside the value codes
     unit_codes: bool = False  # static: the sides with norms are encoded as unit vectors
+    key_parts: Parts | None = None  # static: key codes of several widths (module docstring)
 
     @classmethod
     def from_centroids(cls, key, value, granularity: str = "layer_head", num_layers: int | None = None,
@@ -192,6 +203,40 @@ class PQCodebooks:
         if unit and not (keys or values):
             raise ValueError("with_explicit_norms: unit codes need the norms stored (keys or values True)")
         return dataclasses.replace(self, key_norms=bool(keys), value_norms=bool(values), unit_codes=bool(unit))
+
+    def with_key_parts(self, parts: Parts | None) -> "PQCodebooks":
+        """These codebooks with key codes stored in the layout ``parts`` (module docstring; None: one
+        width). ValueError unless the counts sum to key_M, the widest part is the codebook's
+        key_nbits and each narrower sub-space's rows past 2**bits repeat its centroid 0."""
+        if parts is None:
+            return dataclasses.replace(self, key_parts=None)
+        try:
+            parts = check_parts(parts)
+        except ValueError as e:
+            raise ValueError(f"key_parts: {e}") from None
+        if sum(n for n, _ in parts) != self.key_M:
+            raise ValueError(f"key_parts {parts} hold {sum(n for n, _ in parts)} codes, the key codebooks have "
+                             f"M={self.key_M}")
+        widest = max(b for _, b in parts)
+        if widest != self.key_nbits:
+            raise ValueError(f"key_parts {parts}: the widest part has {widest} bits, the key codebooks "
+                             f"{self.key_nbits} (K={2 ** self.key_nbits})")
+        c = np.asarray(self.key.centroids)  # [L, G, M, K, dsub]
+        m0 = 0
+        for n, b in parts:
+            tail = c[:, :, m0:m0 + n, 2 ** b:]
+            if tail.size and not np.array_equal(tail, np.broadcast_to(c[:, :, m0:m0 + n, :1], tail.shape)):
+                raise ValueError(f"key_parts {parts}: sub-spaces {m0}..{m0 + n - 1} have {b}-bit codes but their "
+                                 f"centroid rows past {2 ** b} are not copies of centroid 0 (pad them so)")
+            m0 += n
+        return dataclasses.replace(self, key_parts=parts)
+
+    @property
+    def key_code_bits(self) -> int:
+        """Bits of one token's key codes (all stages): sum n * bits over ``key_parts``, else key_M * key_nbits."""
+        if self.key_parts is None:
+            return self.key_M * self.key_nbits
+        return sum(n * b for n, b in self.key_parts)
 
     def check_rope(self, rope_inv_freq) -> None:
         """ValueError unless these codebooks can serve a model whose RoPE frequencies are
@@ -277,12 +322,14 @@ class PQCodebooks:
         """Bits stored per key/value element, keys and values together: the codes, plus 16 per
         token and head for each explicit bf16 norm scale."""
         norms = NORM_SCALE_BITS * (int(self.key_norms) + int(self.value_norms))
-        return (self.key_M * self.key_nbits + self.value_M * self.value_nbits + norms) / (2 * self.head_dim)
+        return (self.key_code_bits + self.value_M * self.value_nbits + norms) / (2 * self.head_dim)
 
     @property
     def recipe(self) -> str:
         """A short name of the budget and transforms, e.g. ``K32x8 V16x8 qa``."""
-        name = f"K{self.key_M}x{self.key_nbits} V{self.value_M}x{self.value_nbits}"
+        keys = (f"K{self.key_M}x{self.key_nbits}" if self.key_parts is None
+                else "K" + "+".join(f"{n}x{b}" for n, b in self.key_parts))
+        name = f"{keys} V{self.value_M}x{self.value_nbits}"
         if self.key_transform is not None:
             name += " qa"
         if self.value_transform is not None:

@@ -1,0 +1,131 @@
+"""Key codes of several widths (``PQCodebooks.key_parts``): stored at each part's width, read by
+every path.
+
+Fresh random codebooks whose narrower key sub-spaces are padded with copies of their centroid 0;
+the stored codes are checked against a numpy argmin over each sub-space's own first 2**bits
+centroids, and the cache's attention against exact numpy attention over those reconstructions
+(xla path, the Pallas kernel in interpret mode, pre- and post-RoPE keys, norms, prefill and decode).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from million_jax import rope
+from million_jax.cache.pq_cache import PQCache
+from million_jax.quant.codebook_io import CodebookFileError, load_kv_codebooks, save_kv_codebooks
+from million_jax.quant.kv_codebooks import PQCodebooks
+from million_jax.quant.pq import Codebooks
+from pallas_kernels.code_packing import parts_width, unpack_layout
+from test_norm_explicit_pq import B, HKV, T, _attention, _inputs, _reconstruct, _run
+
+PARTS = ((3, 3), (2, 5), (3, 4))  # d = 16: 8 key sub-spaces of 2 dims
+
+
+def _books(rng, parts=PARTS, pre_rope=False, norms=False, d=16):
+    m = d // 2
+    widest = max(b for _, b in parts)
+    kc = rng.normal(size=(1, HKV, m, 2 ** widest, 2)).astype(np.float32)
+    m0 = 0
+    for n, b in parts:  # rows past 2**b repeat centroid 0
+        kc[:, :, m0:m0 + n, 2 ** b:] = kc[:, :, m0:m0 + n, :1]
+        m0 += n
+    vc = rng.normal(size=(1, HKV, m, 16, 2)).astype(np.float32)
+    books = PQCodebooks.from_centroids(kc, vc, "layer_head")
+    if pre_rope:
+        books = books.with_pre_rope_keys(rope.rope_inv_freq(d, 50.0))
+    if norms:
+        books = books.with_explicit_norms(True, True, False)
+    return books.with_key_parts(parts)
+
+
+def _truncated_codes(books: PQCodebooks, x: np.ndarray, head: int) -> np.ndarray:
+    """codes int[N, M] of x float[N, d] (the encoder's layout) by KV head ``head``'s codebooks, over
+    each sub-space's first 2**bits rows."""
+    c = np.asarray(books.key.centroids[0], np.float64)  # [G, M, K, 2]
+    out, m0 = [], 0
+    for n, b in books.key_parts:
+        for m in range(m0, m0 + n):
+            cm = c[head, m, :2 ** b]
+            out.append(((x[:, None, 2 * m:2 * m + 2] - cm[None]) ** 2).sum(-1).argmin(-1))
+        m0 += n
+    return np.stack(out, -1)
+
+
+def test_bits_recipe_and_cache_width():
+    books = _books(np.random.default_rng(0))
+    assert books.key_code_bits == 3 * 3 + 2 * 5 + 3 * 4
+    assert books.bits_per_element == pytest.approx((31 + 8 * 4) / 32)
+    assert books.recipe.startswith("K3x3+2x5+3x4 V8x4")
+    cache = PQCache.for_codebooks(books, B, HKV, T)
+    assert cache.layers.k_codes.shape[-1] == parts_width(PARTS) == 2 + 2 + 2
+    assert cache.bits_per_element.key == pytest.approx(8 * 6 / 16)
+
+
+@pytest.mark.parametrize("pre_rope,norms,impl,d", [
+    (False, False, "xla", 16),
+    (True, True, "xla", 16),
+    (False, True, "pallas", 16),
+    (True, False, "pallas", 32),  # the kernel's pre-RoPE path wants M = d / 2 >= 16
+])
+def test_cache_matches_reference(pre_rope, norms, impl, d):
+    rng = np.random.default_rng(10 * pre_rope + norms + d)
+    parts = PARTS if d == 16 else ((6, 3), (4, 5), (6, 4))
+    books = _books(rng, parts, pre_rope, norms, d)
+    q, k, v = _inputs(rng, d)
+    cache = PQCache.for_codebooks(books, B, HKV, T, quantize_all=True, impl=impl)
+    outs, cache = _run(books, cache, q, k, v, prefill=4)
+    # stored codes: each within its part's width, and the argmin over its own centroids
+    got = np.asarray(unpack_layout(cache.layers.k_codes[0], books.key_parts))  # [B, Hkv, T, M]
+    for b in range(B):
+        for h in range(HKV):
+            kk = k[b, :, h].astype(np.float64)
+            if pre_rope:
+                cos, sin = rope.rope_cos_sin(np.arange(T), np.asarray(books.rope_inv_freq))
+                kk = np.asarray(rope.to_pair_layout(rope.unrotate(jnp.asarray(k[b, :, h][None]), cos[None],
+                                                                  sin[None])))[0].astype(np.float64)
+            np.testing.assert_array_equal(got[b, h], _truncated_codes(books, kk, h))
+    k_hat, v_hat, k_ratio, v_ratio = _reconstruct(books, k, v)
+    if norms:
+        lay = cache.layers
+        k_hat *= np.swapaxes(np.asarray(lay.k_scales[0, ..., 0], np.float64), 1, 2)[..., None]
+        v_hat *= np.swapaxes(np.asarray(lay.v_scales[0, ..., 0], np.float64), 1, 2)[..., None]
+    tol = 2e-4 if impl == "xla" else 2e-2  # the kernel's dots are bf16
+    for t0, out in outs:
+        np.testing.assert_allclose(np.asarray(out), _attention(q, k_hat, v_hat)[:, t0:t0 + out.shape[1]],
+                                   rtol=tol, atol=tol)
+
+
+def test_io_roundtrip_and_bad_metadata(tmp_path):
+    books = _books(np.random.default_rng(1), pre_rope=True, norms=True)
+    path = tmp_path / "parts.safetensors"
+    save_kv_codebooks(path, books)
+    back, meta = load_kv_codebooks(path)
+    assert back.key_parts == PARTS and meta["key_parts"] == [list(p) for p in PARTS]
+    np.testing.assert_array_equal(np.asarray(back.key.centroids), np.asarray(books.key.centroids))
+    bad = dataclasses.replace(books, key_parts=((3, 3), (2, 5), (2, 4), (1, 4)))
+    save_kv_codebooks(path, bad)  # the same widths, cut otherwise: still valid
+    assert load_kv_codebooks(path)[0].key_parts == ((3, 3), (2, 5), (2, 4), (1, 4))
+    save_kv_codebooks(path, dataclasses.replace(books, key_parts=((4, 3), (1, 5), (3, 4))))
+    with pytest.raises(CodebookFileError, match="not copies of centroid 0"):
+        load_kv_codebooks(path)
+
+
+def test_bad_layouts_are_named():
+    books = _books(np.random.default_rng(2))
+    with pytest.raises(ValueError, match="hold 7 codes"):
+        books.with_key_parts(((3, 3), (2, 5), (2, 4)))
+    with pytest.raises(ValueError, match="widest part has 4 bits"):
+        books.with_key_parts(((8, 4),))
+    with pytest.raises(ValueError, match="not copies of centroid 0"):
+        dataclasses.replace(books, key=Codebooks(books.key.centroids + 1e-3 * jnp.arange(32.0)[:, None])
+                            ).with_key_parts(PARTS)
+    plain = dataclasses.replace(books, key_parts=None)
+    cache = PQCache.for_codebooks(plain, B, HKV, T)
+    with pytest.raises(ValueError, match="do not match the cache"):
+        cache.layer_consts(books)
+    with pytest.raises(ValueError, match="must hold M=8 codes"):
+        PQCache.create(1, B, HKV, T, 16, M=8, nbits=5, key_parts=((3, 3), (2, 5)))
