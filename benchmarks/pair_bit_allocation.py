@@ -39,69 +39,28 @@ from million_app.calibrate import calibration_kvq, codebook_metadata, load_model
 from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
 from million_app.recipes import Recipe, fit_recipe
-from million_jax import rope
-from million_jax.quant.kv_codebooks import PQCodebooks, unit_vectors
+from million_jax.calibration.pair_bits import greedy_allocation, pad_centroids, pair_key_error, pair_query_energy
+from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.quant.pq import Codebooks
-from million_jax.quant.residual_pq import decode_stages, encode_stages
 
 
 def pair_score_error(centroids: dict[int, np.ndarray], k: np.ndarray, gram: np.ndarray, count: np.ndarray,
                      unit: bool) -> np.ndarray:
-    """float64[L, H, P, len(widths)]: E|q_m|^2 E|k_m - k_hat_m|^2 / 2 per pair m and width.
+    """float64[L, H, P, len(widths)]: E|q_m|^2 E|k_m - k_hat_m|^2 / 2 per pair m and width
+    (:mod:`million_jax.calibration.pair_bits`; the base's keys carry norms).
 
     centroids: width -> key centroids float32[L, H, P, 2^w, 2] (pair layout); k float32[L, H, N, d]
     pre-RoPE keys; gram float[L, H, d, d] / count [L, H] the query second moments."""
-    widths = sorted(centroids)
-    L, H, _, d = k.shape
-    P = d // 2
-    out = np.zeros((L, H, P, len(widths)))
-    for layer in range(L):
-        kl = jnp.asarray(k[layer], jnp.float32)[None]  # [1, H, N, d]
-        norm = jnp.linalg.norm(kl, axis=-1, keepdims=True)
-        x = rope.to_pair_layout(unit_vectors(kl) if unit else kl, 1)  # pair m at dims (2m, 2m + 1)
-        diag = np.diagonal(np.asarray(gram[layer], np.float64), axis1=-2, axis2=-1) / \
-            np.asarray(count[layer], np.float64)[:, None]  # [H, d]
-        q2 = diag[:, :P] + diag[:, P:]  # E|q_m|^2 of RoPE pair m = dims (m, m + d/2): [H, P]
-        for j, w in enumerate(widths):
-            cb = Codebooks(jnp.asarray(centroids[w][layer]))
-            x_hat = decode_stages(cb, encode_stages(cb, x, 1), 1)
-            if unit:  # the cache rescales to the stored norm
-                x_hat = unit_vectors(x_hat)
-            e = (norm * (x - x_hat) if unit else x - x_hat)[0]
-            e2 = np.asarray(e ** 2, np.float64).reshape(H, -1, P, 2).sum(-1).mean(1)  # [H, P]
-            out[layer, :, :, j] = q2 * e2 / 2
-    return out
-
-
-def greedy_allocation(err: np.ndarray, start: int) -> np.ndarray:
-    """int[P] width indices for one error table float[P, n_widths]: from ``start`` everywhere, move
-    one step of width from the pair where it costs least to the one where it saves most, while the
-    saving is larger. Widths are consecutive integers, so the mean width stays that of ``start``."""
-    P, n = err.shape
-    a = np.full(P, start)
-    rows = np.arange(P)
-    while True:
-        cur = err[rows, a]
-        save = np.where(a < n - 1, cur - err[rows, np.minimum(a + 1, n - 1)], -np.inf)
-        cost = np.where(a > 0, err[rows, np.maximum(a - 1, 0)] - cur, np.inf)
-        i, j = int(np.argmax(save)), int(np.argmin(cost))
-        if i == j or save[i] <= cost[j]:
-            return a
-        a[i] += 1
-        a[j] -= 1
+    q2 = pair_query_energy(gram, count)
+    return np.stack([q2 * pair_key_error(centroids[w], k, norms=True, unit=unit) / 2 for w in sorted(centroids)],
+                    axis=-1)
 
 
 def padded_books(base: PQCodebooks, centroids: dict[int, np.ndarray], index: np.ndarray) -> PQCodebooks:
     """``base`` with key centroids float32[L, H, P, 2^max(w), 2]: pair (l, h, m) takes the centroids of
-    width ``widths[index[l, h, m]]``, padded with copies of its centroid 0."""
-    widths = sorted(centroids)
-    kmax = 2 ** widths[-1]
-    out = np.zeros(np.shape(centroids[widths[-1]]), np.float32)
-    for j, w in enumerate(widths):
-        c = np.asarray(centroids[w], np.float32)
-        c = np.concatenate([c, np.repeat(c[..., :1, :], kmax - c.shape[-2], axis=-2)], axis=-2)
-        out = np.where((index == j)[..., None, None], c, out)
-    return dataclasses.replace(base, key=Codebooks(jnp.asarray(out)))
+    width ``widths[index[l, h, m]]``, padded with copies of its centroid 0 (stored at the widest)."""
+    widths = np.asarray(sorted(centroids))
+    return dataclasses.replace(base, key=Codebooks(jnp.asarray(pad_centroids(centroids, widths[index]))))
 
 
 def main() -> None:

@@ -23,6 +23,11 @@ A recipe is what ``million-jax calibrate --bits B`` fits without the user choosi
                               element each, not counted in ``bits_per_element``)
     unit                      with norms: the codebooks are fitted on unit vectors and the cache
                               encodes x / |x| (NEQ); the norm lives only in the scale
+    pair_widths               (lo, hi) or None: pre-RoPE keys in 2-dim sub-spaces (one RoPE pair each)
+                              get key codebooks of every width lo..hi bits, and one allocation for
+                              the model gives each pair a width at the mean of key_nbits, by the
+                              query-weighted key error (:mod:`million_jax.calibration.pair_bits`); the
+                              cache stores each pair's codes at its width (same bits per element)
 
 Stored bits per element (keys and values together) = stages * (key_nbits / key_dsub +
 value_nbits / value_dsub) / 2. ``BEST_FOR_BITS`` holds, per budget, the recipe that measured
@@ -58,7 +63,8 @@ import numpy as np
 
 from million_app.errors import UsageError
 from million_app.progress import counting
-from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks
+from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks, fit_pair_key_centroids
+from million_jax.calibration.pair_bits import allocate_key_bits
 from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
 from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform
 from million_jax.quant.kv_codebooks import PQCodebooks, unit_vectors
@@ -84,6 +90,7 @@ class Recipe:
     rope: str = "post"
     norms: bool = False
     unit: bool = False
+    pair_widths: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         def fail(what: str) -> None:
@@ -110,6 +117,14 @@ class Recipe:
                 check_nbits(getattr(self, field))
             except ValueError as e:
                 fail(f"{field}: {e}")
+        if self.pair_widths is not None:
+            pw = self.pair_widths
+            if (not isinstance(pw, tuple) or len(pw) != 2 or not all(isinstance(x, int) for x in pw)
+                    or not pw[0] <= self.key_nbits <= pw[1] or pw[0] < 1 or pw[1] > 12):
+                fail(f"pair_widths must be (lo, hi) ints with 1 <= lo <= key_nbits <= hi <= 12, got {pw!r}")
+            if self.rope != "pre" or self.key_dsub != 2 or self.stages != 1 or self.query_aware or self.finetune_steps:
+                fail("pair_widths needs keys before RoPE in 2-dim sub-spaces, one stage, no query-aware keys "
+                     "and no fine-tuning")
 
     @property
     def finetune(self) -> FinetuneSettings | None:
@@ -146,6 +161,9 @@ class Recipe:
             text += "; a bf16 norm scale per key and value (+16 bits per vector)"
         if self.unit:
             text += ", codes of the unit vectors"
+        if self.pair_widths is not None:
+            text += (f"; key bits allocated across RoPE pairs ({self.pair_widths[0]}..{self.pair_widths[1]} bits, "
+                     f"mean {self.key_nbits})")
         return f"{text} ({self.bits_per_element:.2f} bits/elem{' of codes' if self.norms else ''})"
 
     def budgets(self, head_dim: int) -> dict[str, int]:
@@ -206,6 +224,10 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     # 10 / 6 lost on both seeds (frontier/key_bits/README.md)
     Recipe("pq4-pre-nu-k4.5v3.5", 2, 9, 2, 7, rope="pre", norms=True, unit=True),
     Recipe("pq4-pre-nu-k5v3", 2, 10, 2, 6, rope="pre", norms=True, unit=True),
+    # pq4-pre-nu with the keys' 8 bits per pair allocated across the RoPE pairs (6..10 bits, one
+    # layout for the model, same 4.25 b/elem; emulated 2026-12-07 at +1.24 / +1.07%:
+    # frontier/key_bits/README.md)
+    Recipe("pq4-pre-nu-pa", 2, 8, 2, 8, rope="pre", norms=True, unit=True, pair_widths=(6, 10)),
 )}
 
 # key_rope -> bits per element -> recipe name, the measured best per budget (module docstring,
@@ -311,11 +333,34 @@ def _check_calibration_arrays(recipe: Recipe, c, k, v, q_gram, q_count) -> None:
             raise UsageError(f"recipe {recipe.name}: calibration {name} must be {want}, got {list(shape)}")
     if np.shape(k) != np.shape(v):
         raise UsageError(f"recipe {recipe.name}: calibration k {list(np.shape(k))} and v {list(np.shape(v))} differ")
-    if recipe.query_aware:
+    if recipe.query_aware or recipe.pair_widths is not None:
         for name, a, shape in (("q_gram", q_gram, lhd + (c.head_dim, c.head_dim)), ("q_count", q_count, lhd)):
             if a is None or tuple(np.shape(a)) != shape:
                 raise UsageError(f"recipe {recipe.name}: {name} must have shape {list(shape)} for this model, got "
                                  f"{None if a is None else list(np.shape(a))}")
+
+
+PAIR_ERROR_SAMPLE = 4096  # calibration keys per (layer, KV head) that rank the widths of the RoPE pairs
+
+
+def _allocate_pair_bits(recipe: Recipe, books: PQCodebooks, k: np.ndarray, q_gram, q_count, *, granularity: str,
+                        seed: int, iters: int, max_vectors: int) -> PQCodebooks:
+    """``books`` with the keys' bits allocated across RoPE pairs (``Recipe.pair_widths``): key
+    codebooks of the other widths fitted on the same keys ``k`` float32[L, Hkv, N, d] (pre-RoPE, not
+    normalised), ranked on a sample of them (:func:`million_jax.calibration.pair_bits.allocate_key_bits`)."""
+    lo, hi = recipe.pair_widths
+    others = [w for w in range(lo, hi + 1) if w != recipe.key_nbits]
+    fit_keys = unit_vectors(k) if recipe.unit else k
+    by_width = {}
+    with counting(f"key codebooks of {lo}..{hi} bits ({recipe.name})", "width") as report:
+        for i, w in enumerate(others):
+            by_width[w] = fit_pair_key_centroids(fit_keys, w, granularity=granularity,
+                                                 key=jax.random.fold_in(jax.random.PRNGKey(seed), 1000 + w),
+                                                 max_vectors=max_vectors, iters=iters)
+            report(i + 1, len(others))
+    pick = np.sort(np.random.default_rng(seed).choice(k.shape[2], min(PAIR_ERROR_SAMPLE, k.shape[2]), replace=False))
+    out, _ = allocate_key_bits(books, by_width, k[:, :, pick], q_gram, q_count)
+    return out
 
 
 def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.ndarray, q_count: np.ndarray, *,
@@ -342,6 +387,7 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
     if recipe.rope == "pre" and ft is not None:
         raise UsageError(f"recipe {recipe.name}: fine-tuning is not implemented for keys quantized before RoPE")
     inv_freq = rope_inv_freq(c) if recipe.rope == "pre" else None
+    k_raw = k
     try:
         with counting(f"k-means ({recipe.name})", "fit") as report:
             if recipe.unit:  # NEQ: the codebooks code directions, the stored scale the norm
@@ -352,6 +398,9 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
                                      rope_inv_freq=inv_freq, progress=report)
         if recipe.norms:
             books = books.with_explicit_norms(True, True, recipe.unit)
+        if recipe.pair_widths is not None:
+            books = _allocate_pair_bits(recipe, books, k_raw, q_gram, q_count, granularity=granularity, seed=seed,
+                                        iters=iters, max_vectors=max_vectors)
         if ft is None:
             return books
         q, q_pos, window = queries

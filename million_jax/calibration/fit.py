@@ -33,7 +33,8 @@ from million_jax.quant.pq import Codebooks, check_nbits, check_subspaces, fit_co
 from million_jax.quant.kv_codebooks import GRANULARITIES, PQCodebooks, check_pre_rope_keys
 from million_jax.quant.residual_pq import check_stage_count, fit_stages
 
-__all__ = ["check_max_vectors", "collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_in_chunks", "DEFAULT_MAX_VECTORS",
+__all__ = ["check_max_vectors", "collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_pair_key_centroids",
+           "fit_in_chunks", "DEFAULT_MAX_VECTORS",
            "GROUPS_PER_FIT"]
 
 DEFAULT_MAX_VECTORS = 65536
@@ -194,23 +195,57 @@ def fit_kv_codebooks(
         if progress is not None:
             progress(done[0], 2 * per_set)
 
-    out = []
-    for sub, x, wts, M, nbits in ((kk, keys, key_weights, M, nbits), (kv, values, value_weights, value_M, value_nbits)):
-        need = 2**nbits
-        pooled, wts = _subsample(_pool(x, granularity), max_vectors, rng,
-                                 None if wts is None else _pool(wts[..., None], granularity)[..., 0])
-        if pooled.shape[-2] < need:
-            raise ValueError(
-                f"calibration gives {pooled.shape[-2]} vectors per {granularity} codebook, fewer than "
-                f"K=2**{nbits}={need}; use more calibration tokens or fewer bits"
-            )
-        fit = functools.partial(fit_in_chunks, groups_per_fit=groups_per_fit, progress=step)
-        out.append(fit_stages(pooled, M, nbits, stages, key=sub, fit=fit, iters=iters, chunk_size=chunk_size,
-                              weights=wts))
+    out = [_fit_side(x, wts, m, nb, granularity=granularity, key=sub, rng=rng, max_vectors=max_vectors, stages=stages,
+                     iters=iters, chunk_size=chunk_size, groups_per_fit=groups_per_fit, progress=step)
+           for sub, x, wts, m, nb in ((kk, keys, key_weights, M, nbits), (kv, values, value_weights, value_M, value_nbits))]
     books = PQCodebooks.from_centroids(out[0].centroids, out[1].centroids, granularity, num_layers=keys.shape[0],
                                        stages=stages)
     books = books.with_transforms(key_transform, value_transform)
     return books if rope_inv_freq is None else books.with_pre_rope_keys(rope_inv_freq)
+
+
+def _fit_side(x: np.ndarray, wts: np.ndarray | None, M: int, nbits: int, *, granularity: str, key: jax.Array,
+              rng: np.random.Generator, max_vectors: int, stages: int, iters: int, chunk_size: int,
+              groups_per_fit: int, progress: Callable[[], None] | None) -> Codebooks:
+    """Codebooks float32[*G, S * M, K, dsub] of one side (keys or values) float32[L, Hkv, N, d],
+    as laid out for fitting (pair layout, transformed), pooled by ``granularity``."""
+    pooled, wts = _subsample(_pool(x, granularity), max_vectors, rng,
+                             None if wts is None else _pool(wts[..., None], granularity)[..., 0])
+    if pooled.shape[-2] < 2**nbits:
+        raise ValueError(
+            f"calibration gives {pooled.shape[-2]} vectors per {granularity} codebook, fewer than "
+            f"K=2**{nbits}={2**nbits}; use more calibration tokens or fewer bits"
+        )
+    fit = functools.partial(fit_in_chunks, groups_per_fit=groups_per_fit, progress=progress)
+    return fit_stages(pooled, M, nbits, stages, key=key, fit=fit, iters=iters, chunk_size=chunk_size, weights=wts)
+
+
+def fit_pair_key_centroids(keys: np.ndarray, nbits: int, *, granularity: str = "layer_head", key: jax.Array,
+                           max_vectors: int = DEFAULT_MAX_VECTORS, iters: int = 25, chunk_size: int = 8192,
+                           groups_per_fit: int = GROUPS_PER_FIT,
+                           progress: Callable[[], None] | None = None) -> np.ndarray:
+    """Key centroids float32[L, G, d/2, 2**nbits, 2] of pre-RoPE keys float[L, Hkv, N, d], one
+    2-dim sub-space per RoPE pair (what ``fit_kv_codebooks(..., M=d/2, rope_inv_freq=...)`` fits for
+    the keys, without the values): the codebooks of one width of a per-pair allocation
+    (:mod:`million_jax.calibration.pair_bits`). ``progress()`` after each chunk of groups."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    keys = np.asarray(keys, np.float32)
+    if keys.ndim != 4 or keys.shape[2] == 0 or keys.shape[3] % 2:
+        raise ValueError(f"keys must be float[L, Hkv, N >= 1, d] with d even, got {keys.shape}")
+    if not np.isfinite(keys).all():
+        raise ValueError("fit_pair_key_centroids: calibration keys contain NaN/Inf")
+    check_nbits(nbits)
+    check_max_vectors(max_vectors, nbits)
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+    books = _fit_side(rope.to_pair_layout(keys, 1), None, keys.shape[-1] // 2, nbits, granularity=granularity,
+                      key=jax.random.fold_in(key, 1), rng=rng, max_vectors=max_vectors, stages=1, iters=iters,
+                      chunk_size=chunk_size, groups_per_fit=groups_per_fit, progress=progress)
+    c = np.asarray(books.centroids, np.float32)
+    L = keys.shape[0]
+    if granularity == "shared":
+        return np.broadcast_to(c[None, None], (L, 1) + c.shape).copy()
+    return c[:, None] if granularity == "layer" else c
 
 
 def check_max_vectors(max_vectors: int, nbits: int) -> None:

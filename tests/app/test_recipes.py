@@ -143,6 +143,8 @@ def test_calibrate_bits_reports_counts_and_eta(cli, tiny_dir, tmp_path, monkeypa
     (dict(value_nbits=True), "value_nbits must be an integer >= 1, got True"),
     (dict(finetune_steps=-1), "finetune_steps must be an integer >= 0, got -1"),
     (dict(name=""), "name must be a non-empty string"),
+    (dict(pair_widths=(6, 10)), "pair_widths needs keys before RoPE"),
+    (dict(rope="pre", pair_widths=(9, 10)), "pair_widths must be"),
 ])
 def test_bad_recipe_is_refused_when_made(change, match):
     import dataclasses
@@ -193,3 +195,30 @@ def test_family_tables_name_real_recipes_and_override_the_default():
     assert recipe_for_bits(4, "pre", "gemma3").name == "pq4-pre-n" != BEST_FOR_BITS["pre"][4]
     assert recipe_for_bits(4, "post", "gemma3").name == BEST_FOR_BITS["post"][4]  # no post-RoPE override
     assert recipe_for_bits(3, "pre", "gemma3").name != recipe_for_bits(3, "pre").name
+
+
+def test_pair_widths_recipe_allocates_key_bits_at_the_same_mean(tiny):
+    """A recipe with ``pair_widths`` fits key codebooks of each width and stores each RoPE pair's codes
+    at its allocated width: same bits per element, a layout that is not uniform on keys whose pairs
+    differ in scale, and a cache made from the file reads it."""
+    import dataclasses
+
+    from million_app.recipes import fit_recipe
+    from million_jax.cache.pq_cache import PQCache
+
+    c = tiny.config
+    L, h, d = c.n_global_layers, c.n_kv_heads, c.head_dim
+    rng = np.random.default_rng(0)
+    scale = np.tile(np.geomspace(0.05, 5.0, d // 2), 2)  # slow pairs large: they should get the bits
+    k, v = (rng.normal(size=(L, h, 600, d)).astype(np.float32) * s for s in (scale, 1.0))
+    q = rng.normal(size=(L, h, 100, d)) * scale
+    gram, count = np.einsum("lhni,lhnj->lhij", q, q), np.full((L, h), 100)
+    recipe = dataclasses.replace(RECIPES["pq4-pre-nu-pa"], name="tiny-pa", key_nbits=3, value_nbits=3,
+                                 pair_widths=(2, 4))
+    books = fit_recipe(recipe, tiny, k, v, gram, count, iters=3, max_vectors=512)
+    bits = [b for n, b in books.key_parts for _ in range(n)]
+    assert len(bits) == d // 2 and sum(bits) == 3 * d // 2 and set(bits) != {3}
+    assert books.bits_per_element == pytest.approx(recipe.stored_bits(d))
+    assert books.key.centroids.shape[-2] == 2 ** max(bits)
+    cache = PQCache.for_codebooks(books, 1, h, 16)
+    assert cache.layer_consts(books) is books and cache.bits_per_element.key == pytest.approx((sum(bits) + 16) / d)

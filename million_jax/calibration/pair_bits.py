@@ -1,0 +1,157 @@
+"""Key bits allocated across RoPE pairs: pre-RoPE key codebooks of mixed widths at a fixed mean.
+
+Pre-RoPE key codebooks give RoPE pair m (head dims m and m + d/2) its own 2-dim sub-space. The
+error e_m of pair m enters a score as q_m . R(t) e_m; averaged over the rotation its variance is
+
+    err[m, w] = E|q_m|^2 E|e_m(w)|^2 / 2        (w: the pair's code width in bits)
+
+so pairs that queries read strongly, and whose keys are hard to code, deserve more bits. With
+codebooks of several widths fitted on the same calibration keys, :func:`greedy_allocation` moves
+one bit at a time from the pair where it costs least to the one where it saves most, the mean
+width staying put; :func:`allocate_key_bits` does this once for the whole model (the summed error
+over layers and KV heads: one code layout, which the cache and the kernel need static) and returns
+codebooks whose key codes are stored at each pair's width (``PQCodebooks.key_parts``).
+
+Measured on SmolLM2-135M (benchmarks/results/frontier/key_bits/): the 10 slowest of 32 pairs carry
+81% of the weighted key error at 8 bits each; the model-wide allocation at a mean of 8 bits cuts it
+to 0.50x.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from million_jax import rope
+from million_jax.quant.kv_codebooks import PQCodebooks, unit_vectors
+from million_jax.quant.pq import Codebooks, decode, encode
+from pallas_kernels.code_packing import Parts
+
+__all__ = ["pair_query_energy", "pair_key_error", "greedy_allocation", "runs", "pad_centroids", "allocate_key_bits"]
+
+
+def pair_query_energy(q_gram: np.ndarray, q_count: np.ndarray) -> np.ndarray:
+    """E|q_m|^2 float64[L, Hkv, d/2] of each RoPE pair m (dims m and m + d/2, rotate-half) from the
+    query Gram sums float[L, Hkv, d, d] and counts [L, Hkv] (``collect_query_gram``)."""
+    g = np.asarray(q_gram, np.float64)
+    n = np.asarray(q_count, np.float64)
+    if g.ndim != 4 or g.shape[-1] != g.shape[-2] or g.shape[-1] % 2 or n.shape != g.shape[:2]:
+        raise ValueError(f"q_gram must be float[L, Hkv, d, d] (d even) and q_count [L, Hkv], got {g.shape}, {n.shape}")
+    if (n <= 0).any():
+        raise ValueError("q_count has a (layer, KV head) with no queries: the query energies are undefined")
+    diag = np.diagonal(g, axis1=-2, axis2=-1) / n[..., None]
+    half = g.shape[-1] // 2
+    return diag[..., :half] + diag[..., half:]
+
+
+def pair_key_error(centroids: np.ndarray, keys: np.ndarray, *, norms: bool, unit: bool) -> np.ndarray:
+    """E|k_m - k_hat_m|^2 float64[L, Hkv, d/2] per RoPE pair of pre-RoPE keys float[L, Hkv, N, d] coded
+    by key centroids float[L, G, d/2, K, 2] (G in {1, Hkv}) as the cache codes them: ``unit`` codes
+    encode k / |k|; with ``norms`` the reconstruction is rescaled to |k| (norm-explicit PQ)."""
+    k = np.asarray(keys, np.float32)
+    c = np.asarray(centroids, np.float32)
+    L, H, _, d = k.shape
+    if c.shape[:1] != (L,) or c.shape[1] not in (1, H) or c.shape[2] != d // 2 or c.shape[4] != 2:
+        raise ValueError(f"centroids must be float[L={L}, 1 or {H}, {d // 2}, K, 2], got {c.shape}")
+    out = np.zeros((L, H, d // 2))
+    for layer in range(L):
+        x = np.asarray(rope.to_pair_layout(k[layer], 1))  # [H, N, d], pair m at dims 2m, 2m + 1
+        x_in = unit_vectors(x) if unit else x
+        books = Codebooks(c[layer])  # G = 1 broadcasts over the KV heads
+        x_hat = np.asarray(decode(books, encode(books, x_in)), np.float32)
+        if norms:
+            x_hat = unit_vectors(x_hat) * np.linalg.norm(x, axis=-1, keepdims=True)
+        e = (x - x_hat).astype(np.float64) ** 2
+        out[layer] = e.reshape(H, -1, d // 2, 2).sum(-1).mean(1)
+    return out
+
+
+def greedy_allocation(err: np.ndarray, start: int) -> np.ndarray:
+    """int[P] width indices for one error table float[P, W] (W consecutive widths): from ``start``
+    everywhere, move one width step from the pair where it costs least to the one where it saves
+    most while the saving is larger, so the mean width stays that of ``start``."""
+    err = np.asarray(err, np.float64)
+    P, n = err.shape
+    if not 0 <= start < n:
+        raise ValueError(f"start index {start} outside the {n} widths")
+    a = np.full(P, start)
+    rows = np.arange(P)
+    while True:
+        cur = err[rows, a]
+        save = np.where(a < n - 1, cur - err[rows, np.minimum(a + 1, n - 1)], -np.inf)
+        cost = np.where(a > 0, err[rows, np.maximum(a - 1, 0)] - cur, np.inf)
+        i, j = int(np.argmax(save)), int(np.argmin(cost))
+        if i == j or save[i] <= cost[j]:
+            return a
+        a[i] += 1
+        a[j] -= 1
+
+
+def runs(widths) -> Parts:
+    """The code layout ((count, bits), ...) of per-sub-space widths int[M]: runs of equal widths."""
+    out: list[list[int]] = []
+    for w in (int(x) for x in widths):
+        if out and out[-1][1] == w:
+            out[-1][0] += 1
+        else:
+            out.append([1, w])
+    return tuple((n, b) for n, b in out)
+
+
+def pad_centroids(by_width: Mapping[int, np.ndarray], widths) -> np.ndarray:
+    """float32[L, G, P, 2**max(widths), 2]: sub-space m takes the centroids of width ``widths[..., m]``
+    from ``by_width`` (bits -> float[L, G, P, 2**bits, 2]), padded with copies of its centroid 0.
+    ``widths``: int[P] (one layout for the model) or anything broadcasting to [L, G, P]."""
+    by_width = {int(w): np.asarray(c, np.float32) for w, c in by_width.items()}
+    widths = np.asarray(widths, np.int64)
+    missing = sorted(set(np.unique(widths).tolist()) - set(by_width))
+    if missing:
+        raise ValueError(f"no centroids of width {missing}")
+    kmax = 2 ** int(widths.max())
+    shape = next(iter(by_width.values())).shape[:3]
+    out = np.zeros(shape + (kmax, 2), np.float32)
+    for w in np.unique(widths).tolist():
+        c = by_width[w]
+        c = np.concatenate([c, np.repeat(c[..., :1, :], kmax - c.shape[-2], axis=-2)], axis=-2)
+        out = np.where(np.broadcast_to(widths == w, shape)[..., None, None], c, out)
+    return out
+
+
+def allocate_key_bits(books: PQCodebooks, by_width: Mapping[int, np.ndarray], keys: np.ndarray,
+                      q_gram: np.ndarray, q_count: np.ndarray) -> tuple[PQCodebooks, dict]:
+    """``books`` (pre-RoPE keys, one RoPE pair per key sub-space, one stage) with key codes of mixed
+    widths, allocated once for the model at the mean of ``books.key_nbits``.
+
+    by_width: bits -> key centroids float[L, G, d/2, 2**bits, 2] fitted on the same keys (consecutive
+    widths around ``books.key_nbits``; its own width is taken from ``books``); keys: pre-RoPE
+    calibration keys float[L, Hkv, N, d] (a sample is enough); q_gram / q_count the query second
+    moments. Returns (codebooks with ``key_parts``, a report: widths per pair, the weighted error of
+    the allocation and of each uniform width relative to ``books``)."""
+    if books.key_rope != "pre" or books.key_rope_pairs != 1 or books.stages != 1:
+        raise ValueError(f"per-pair key bits need pre-RoPE keys with one RoPE pair per sub-space and one stage, "
+                         f"got {books.recipe}")
+    by_width = {int(w): np.asarray(c, np.float32) for w, c in by_width.items()}
+    by_width[books.key_nbits] = np.asarray(books.key.centroids, np.float32)
+    widths = sorted(by_width)
+    if widths != list(range(widths[0], widths[-1] + 1)):
+        raise ValueError(f"the key widths must be consecutive, got {widths}")
+    q2 = pair_query_energy(q_gram, q_count)  # [L, H, P]
+    err = np.stack([q2 * pair_key_error(by_width[w], keys, norms=books.key_norms, unit=books.unit_codes) / 2
+                    for w in widths], axis=-1)  # [L, H, P, W]
+    total = err.sum((0, 1))  # [P, W]
+    start = widths.index(books.key_nbits)
+    pick = greedy_allocation(total, start)
+    bits = [widths[i] for i in pick]
+    parts = runs(bits)
+    cents = pad_centroids(by_width, bits)
+    out = PQCodebooks(Codebooks(cents), books.value, books.granularity, stages=1,
+                      rope_inv_freq=books.rope_inv_freq, key_norms=books.key_norms, value_norms=books.value_norms,
+                      unit_codes=books.unit_codes, value_transform=books.value_transform,
+                      output_transform=books.output_transform).with_key_parts(parts)
+    base = float(total[:, start].sum())
+    report = {"key_bits_per_pair": bits, "key_parts": [list(p) for p in parts],
+              "score_error_vs_uniform": {"allocation": float(total[np.arange(len(pick)), pick].sum()) / base,
+                                         **{f"uniform_{w}": float(total[:, j].sum()) / base
+                                            for j, w in enumerate(widths)}},
+              "score_error_share_per_pair": (total[:, start] / base).tolist()}
+    return out, report
