@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.code_packing import (code_bytes, is_packed, maybe_unpack, pack_codes, packed_width,
-                                         stored_width, unpack_codes)
+from pallas_kernels.code_packing import (code_bytes, is_packed, maybe_unpack, pack_codes, pack_layout, packed_width,
+                                         parts_width, stored_width, unpack_codes, unpack_layout)
 
 PACKED_BITS = [1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 15]
 
@@ -52,3 +52,24 @@ def test_widths_and_layout_decisions():
     c = jnp.asarray(np.arange(8, dtype=np.uint8).reshape(2, 4))
     np.testing.assert_array_equal(np.asarray(maybe_unpack(c, 4, 3)), np.asarray(c))
     np.testing.assert_array_equal(np.asarray(maybe_unpack(pack_codes(c, 3), 4, 3)), np.asarray(c))
+
+
+def test_layout_of_parts_packs_each_run_at_its_width():
+    """pack_layout: each run of the layout packed on its own (8-bit runs one code per byte), side by
+    side, as the independent bit-string packer gives per part; unpack_layout inverts it."""
+    rng = np.random.default_rng(5)
+    parts = ((5, 6), (3, 8), (2, 3), (4, 10))
+    codes = np.concatenate([rng.integers(0, 2**b, size=(3, 7, n)) for n, b in parts], -1).astype(np.uint16)
+    packed = np.asarray(pack_layout(jnp.asarray(codes), parts))
+    assert packed.dtype == np.uint8 and packed.shape[-1] == parts_width(parts) == 4 + 3 + 1 + 5
+    want, m0 = [], 0
+    for n, b in parts:
+        c = codes[..., m0:m0 + n]
+        want.append(c.astype(np.uint8) if b == 8 else _np_pack(c, b))
+        m0 += n
+    np.testing.assert_array_equal(packed, np.concatenate(want, -1))
+    back = unpack_layout(jnp.asarray(packed), parts)
+    assert back.dtype == jnp.uint16
+    np.testing.assert_array_equal(np.asarray(back), codes)
+    with pytest.raises(ValueError, match="holds 14 codes per token, got 13"):
+        pack_layout(jnp.asarray(codes[..., :13]), parts)
