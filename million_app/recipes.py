@@ -62,7 +62,7 @@ import jax
 import numpy as np
 
 from million_app.errors import UsageError
-from million_app.progress import counting
+from million_app.progress import counting, status
 from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks, fit_pair_key_centroids
 from million_jax.calibration.pair_bits import allocate_key_bits
 from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
@@ -349,6 +349,12 @@ def _allocate_pair_bits(recipe: Recipe, books: PQCodebooks, k: np.ndarray, q_gra
     codebooks of the other widths fitted on the same keys ``k`` float32[L, Hkv, N, d] (pre-RoPE, not
     normalised), ranked on a sample of them (:func:`million_jax.calibration.pair_bits.allocate_key_bits`)."""
     lo, hi = recipe.pair_widths
+    pool = k.shape[2] * {"layer_head": 1, "layer": k.shape[1], "shared": k.shape[0] * k.shape[1]}[granularity]
+    fits = int(np.log2(min(max_vectors, pool)))  # the widest codebook the samples can fit (>= key_nbits: fitted)
+    if fits < hi:
+        status(f"recipe {recipe.name}: key widths capped at {fits} bits (of {hi}): {min(max_vectors, pool)} "
+               "calibration vectors per codebook")
+        hi = fits
     others = [w for w in range(lo, hi + 1) if w != recipe.key_nbits]
     fit_keys = unit_vectors(k) if recipe.unit else k
     by_width = {}

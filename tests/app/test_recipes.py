@@ -222,3 +222,6 @@ def test_pair_widths_recipe_allocates_key_bits_at_the_same_mean(tiny):
     assert books.key.centroids.shape[-2] == 2 ** max(bits)
     cache = PQCache.for_codebooks(books, 1, h, 16)
     assert cache.layer_consts(books) is books and cache.bits_per_element.key == pytest.approx((sum(bits) + 16) / d)
+    # too few calibration vectors per codebook for the widest widths: capped (here at the mean), not an error
+    capped = fit_recipe(recipe, tiny, k, v, gram, count, iters=1, max_vectors=8)
+    assert capped.key_parts == ((d // 2, 3),) and capped.key.centroids.shape[-2] == 8
