@@ -313,6 +313,6 @@ class PQCache(ExactWindowCache):
         books = (cache_consts.key_M, cache_consts.key_nbits, cache_consts.value_M, cache_consts.value_nbits,
                  cache_consts.stages, cache_consts.key_parts)
         if self.layers.budgets is not None and tuple(self.layers.budgets) != books:
-            raise ValueError(f"codebooks (key M, nbits, value M, nbits, stages = {books}) do not match the cache "
+            raise ValueError(f"codebooks (key M, nbits, value M, nbits, stages, key parts = {books}) do not match the cache "
                              f"({tuple(self.layers.budgets)})")
         return self.layers.check_books(cache_consts)
