@@ -9,8 +9,8 @@ fill 3 bytes, two 12-bit codes 3 bytes; codes that do not divide 8 straddle byte
     unpack_codes(packed uint8[..., P], M, nbits) -> uint8|uint16[..., M]
     code_bytes(M, nbits)                         -> (first byte, shift) of each code, window
     assemble_codes(window_bytes, shift, nbits)   -> the codes, from the bytes each code touches
-    pack_parts / unpack_parts / part_bit_layout  -> a layout of several parts of different widths
-    pack_layout / unpack_layout  -> the same for one code array uint[..., M] (split / joined here)
+    pack_layout / unpack_layout / part_bit_layout  -> a layout of several parts of different widths
+    pack_parts / unpack_parts    -> the same with one code array per part
 
 ``assemble_codes`` is the one formula that reads a code out of its bytes: :func:`unpack_codes`
 (jnp gathers) and the Pallas kernel (pointer loads of the same bytes) both call it.
@@ -126,15 +126,13 @@ def maybe_unpack(codes: jax.Array, M: int, nbits: int) -> jax.Array:
 
 # ------------------------------------------------------------------ layouts of several parts
 # A code layout of several parts, ``parts = ((n_0, bits_0), (n_1, bits_1), ...)``: n_0 codes of
-# bits_0 bits, then n_1 codes of bits_1 bits, ... (M = sum n_p); each part packed on its own at its
-# width (8-bit parts one code per byte) and the parts' bytes side by side. TurboQuant's fractional
-# budgets (half the coordinates at b + 1 bits, half at b) are stored this way, and the kernel reads
-# them with :func:`part_bit_layout`. A single part ``((M, nbits),)`` is the plain packed layout.
+# bits_0 bits, then n_1 codes of bits_1 bits, ... (M = sum n_p), in one little-endian bit stream per
+# token as above (code m at the sum of the widths before it; ceil(sum n_p bits_p / 8) bytes). A single
+# part ``((M, nbits),)`` is the plain packed layout (one code per byte for 8 bits). TurboQuant's
+# fractional budgets (half the coordinates at b + 1 bits, half at b) and PQ keys of per-pair widths
+# (``million_jax.quant.kv_codebooks.PQCodebooks.key_parts``) are stored this way, and the kernel
+# reads them with :func:`part_bit_layout`.
 Parts = tuple[tuple[int, int], ...]
-
-
-def _part_width(n: int, bits: int) -> int:
-    return n if bits == 8 else packed_width(n, bits)
 
 
 def check_parts(parts: Parts) -> Parts:
@@ -148,14 +146,21 @@ def check_parts(parts: Parts) -> Parts:
     return out
 
 
+def _layout_bits(parts: Parts) -> tuple[np.ndarray, np.ndarray]:
+    """(first bit int64[M], width int64[M]) of every code of the layout."""
+    widths = np.concatenate([np.full(n, b, np.int64) for n, b in check_parts(parts)])
+    return np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64), widths
+
+
 def parts_width(parts: Parts) -> int:
-    """Bytes per token of a layout of several parts (each part whole bytes)."""
-    return sum(_part_width(n, b) for n, b in check_parts(parts))
+    """Bytes per token of a layout of several parts: ceil(sum n_p bits_p / 8)."""
+    return -(-sum(n * b for n, b in check_parts(parts)) // 8)
 
 
 def parts_window(parts: Parts) -> int:
-    """The most bytes one code of the layout touches (parts start on byte boundaries)."""
-    return max(code_bytes(n, b)[2] for n, b in check_parts(parts))
+    """The most bytes one code of the layout touches."""
+    first, widths = _layout_bits(parts)
+    return int(np.max(-(-(first % 8 + widths) // 8)))
 
 
 def part_bit_layout(m: jax.Array, parts: Parts) -> tuple[jax.Array, jax.Array]:
@@ -164,50 +169,60 @@ def part_bit_layout(m: jax.Array, parts: Parts) -> tuple[jax.Array, jax.Array]:
     constants). For one part this is (m * nbits, nbits), :func:`code_bytes`' layout."""
     bit = jnp.zeros_like(m)
     width = jnp.zeros_like(m)
-    start, byte0 = 0, 0
+    start, bit0 = 0, 0
     for n, b in check_parts(parts):
         inside = (m >= start) & (m < start + n)
-        bit = jnp.where(inside, byte0 * 8 + (m - start) * b, bit)
+        bit = jnp.where(inside, bit0 + (m - start) * b, bit)
         width = jnp.where(inside, b, width)
-        start, byte0 = start + n, byte0 + _part_width(n, b)
+        start, bit0 = start + n, bit0 + n * b
     return bit, width
 
 
+def pack_layout(codes: jax.Array, parts: Parts) -> jax.Array:
+    """codes int[..., M] (M = sum n_p; each code of part p < 2**bits_p) -> uint8[..., parts_width(parts)]."""
+    parts = check_parts(parts)
+    M = sum(n for n, _ in parts)
+    if codes.shape[-1] != M:
+        raise ValueError(f"layout {parts} holds {M} codes per token, got {codes.shape[-1]}")
+    if len(parts) == 1:
+        return codes.astype(jnp.uint8) if parts[0][1] == 8 else pack_codes(codes, parts[0][1])
+    first, widths = _layout_bits(parts)
+    P, window = parts_width(parts), parts_window(parts)
+    byte, shift = first // 8, first % 8
+    c = (codes.astype(jnp.int32) & jnp.asarray((1 << widths) - 1, jnp.int32)) << jnp.asarray(shift, jnp.int32)
+    out = None
+    for j in range(window):  # as pack_codes: code m's j-th byte lands in byte[m] + j (an OR as a sum)
+        onehot = np.zeros((M, P + window), np.int32)
+        onehot[np.arange(M), byte + j] = 1
+        part = jnp.dot((c >> (8 * j)) & 0xFF, jnp.asarray(onehot[:, :P]), preferred_element_type=jnp.int32)
+        out = part if out is None else out + part
+    return out.astype(jnp.uint8)
+
+
+def unpack_layout(packed: jax.Array, parts: Parts) -> jax.Array:
+    """Inverse of :func:`pack_layout`: uint8[..., M] (uint16 when a part is wider than 8 bits)."""
+    parts = check_parts(parts)
+    if packed.shape[-1] != parts_width(parts):
+        raise ValueError(f"codes of layout {parts} take {parts_width(parts)} bytes per token, got {packed.shape[-1]}")
+    dtype = jnp.uint16 if max(b for _, b in parts) > 8 else jnp.uint8
+    first, widths = _layout_bits(parts)
+    P = packed.shape[-1]
+    b = packed.astype(jnp.int32)
+    taken = [jnp.take(b, np.minimum(first // 8 + j, P - 1), axis=-1) for j in range(parts_window(parts))]
+    return assemble_codes(taken, jnp.asarray(first % 8, jnp.int32), jnp.asarray(widths, jnp.int32)).astype(dtype)
+
+
 def pack_parts(codes: Sequence[jax.Array], parts: Parts) -> jax.Array:
-    """One code array int[..., n_p] per part -> uint8[..., parts_width(parts)]."""
+    """One code array int[..., n_p] per part -> uint8[..., parts_width(parts)] (:func:`pack_layout`)."""
     parts = check_parts(parts)
     if len(codes) != len(parts):
         raise ValueError(f"{len(codes)} code arrays for {len(parts)} parts")
-    return jnp.concatenate([c.astype(jnp.uint8) if b == 8 else pack_codes(c, b) for c, (n, b) in zip(codes, parts)],
-                           axis=-1)
+    return pack_layout(jnp.concatenate([jnp.asarray(c).astype(jnp.int32) for c in codes], axis=-1), parts)
 
 
 def unpack_parts(packed: jax.Array, parts: Parts) -> list[jax.Array]:
     """Inverse of :func:`pack_parts`: one uint8|uint16[..., n_p] per part."""
     parts = check_parts(parts)
-    if packed.shape[-1] != parts_width(parts):
-        raise ValueError(f"codes of layout {parts} take {parts_width(parts)} bytes per token, got {packed.shape[-1]}")
-    out, off = [], 0
-    for n, b in parts:
-        w = _part_width(n, b)
-        sl = packed[..., off:off + w]
-        out.append(sl if b == 8 else unpack_codes(sl, n, b))
-        off += w
-    return out
-
-
-def pack_layout(codes: jax.Array, parts: Parts) -> jax.Array:
-    """codes int[..., M] (M = sum n_p; code m of part p < 2**bits_p) -> uint8[..., parts_width(parts)]:
-    :func:`pack_parts` of the runs of ``parts`` cut from one array."""
-    parts = check_parts(parts)
-    if codes.shape[-1] != sum(n for n, _ in parts):
-        raise ValueError(f"layout {parts} holds {sum(n for n, _ in parts)} codes per token, got {codes.shape[-1]}")
+    codes = unpack_layout(packed, parts)
     cuts = np.cumsum([n for n, _ in parts])[:-1]
-    return pack_parts(jnp.split(codes, cuts, axis=-1), parts)
-
-
-def unpack_layout(packed: jax.Array, parts: Parts) -> jax.Array:
-    """Inverse of :func:`pack_layout`: uint8[..., M] (uint16 when a part is wider than 8 bits)."""
-    out = unpack_parts(packed, parts)
-    dtype = jnp.uint16 if max(b for _, b in check_parts(parts)) > 8 else jnp.uint8
-    return jnp.concatenate([c.astype(dtype) for c in out], axis=-1)
+    return [c.astype(jnp.uint8 if b <= 8 else jnp.uint16) for c, (_, b) in zip(jnp.split(codes, cuts, axis=-1), parts)]

@@ -61,8 +61,8 @@ def test_bits_recipe_and_cache_width():
     assert books.bits_per_element == pytest.approx((31 + 8 * 4) / 32)
     assert books.recipe.startswith("K3x3+2x5+3x4 V8x4")
     cache = PQCache.for_codebooks(books, B, HKV, T)
-    assert cache.layers.k_codes.shape[-1] == parts_width(PARTS) == 2 + 2 + 2
-    assert cache.bits_per_element.key == pytest.approx(8 * 6 / 16)
+    assert cache.layers.k_codes.shape[-1] == parts_width(PARTS) == 4  # 31 bits in one bit stream
+    assert cache.bits_per_element.key == pytest.approx(8 * 4 / 16)
 
 
 @pytest.mark.parametrize("pre_rope,norms,impl,d", [

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.code_packing import (code_bytes, is_packed, maybe_unpack, pack_codes, pack_layout, packed_width,
-                                         parts_width, stored_width, unpack_codes, unpack_layout)
+from pallas_kernels.code_packing import (code_bytes, is_packed, maybe_unpack, pack_codes, pack_layout, pack_parts,
+                                         packed_width, part_bit_layout, parts_width, parts_window, stored_width,
+                                         unpack_codes, unpack_layout, unpack_parts)
 
 PACKED_BITS = [1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 15]
 
@@ -54,22 +55,33 @@ def test_widths_and_layout_decisions():
     np.testing.assert_array_equal(np.asarray(maybe_unpack(pack_codes(c, 3), 4, 3)), np.asarray(c))
 
 
-def test_layout_of_parts_packs_each_run_at_its_width():
-    """pack_layout: each run of the layout packed on its own (8-bit runs one code per byte), side by
-    side, as the independent bit-string packer gives per part; unpack_layout inverts it."""
+def test_layout_of_parts_is_one_bit_stream():
+    """pack_layout: the codes of every part in one little-endian bit stream (code m at the sum of the
+    widths before it), as the independent bit-string packer gives; unpack_layout / pack_parts /
+    unpack_parts agree; the kernel's per-code (first bit, width) and byte window cover every code."""
     rng = np.random.default_rng(5)
-    parts = ((5, 6), (3, 8), (2, 3), (4, 10))
+    parts = ((5, 6), (3, 8), (2, 3), (4, 10), (1, 7))
+    widths = np.concatenate([np.full(n, b) for n, b in parts])
     codes = np.concatenate([rng.integers(0, 2**b, size=(3, 7, n)) for n, b in parts], -1).astype(np.uint16)
     packed = np.asarray(pack_layout(jnp.asarray(codes), parts))
-    assert packed.dtype == np.uint8 and packed.shape[-1] == parts_width(parts) == 4 + 3 + 1 + 5
-    want, m0 = [], 0
-    for n, b in parts:
-        c = codes[..., m0:m0 + n]
-        want.append(c.astype(np.uint8) if b == 8 else _np_pack(c, b))
-        m0 += n
-    np.testing.assert_array_equal(packed, np.concatenate(want, -1))
+    total = int(widths.sum())
+    assert packed.dtype == np.uint8 and packed.shape[-1] == parts_width(parts) == -(-total // 8)
+    bits = np.concatenate([((codes[..., m:m + 1].astype(np.int64) >> np.arange(w)) & 1) for m, w in enumerate(widths)],
+                          -1)
+    bits = np.concatenate([bits, np.zeros(bits.shape[:-1] + (8 * packed.shape[-1] - total,), bits.dtype)], -1)
+    want = (bits.reshape(*bits.shape[:-1], -1, 8) << np.arange(8)).sum(-1).astype(np.uint8)
+    np.testing.assert_array_equal(packed, want)
     back = unpack_layout(jnp.asarray(packed), parts)
     assert back.dtype == jnp.uint16
     np.testing.assert_array_equal(np.asarray(back), codes)
-    with pytest.raises(ValueError, match="holds 14 codes per token, got 13"):
-        pack_layout(jnp.asarray(codes[..., :13]), parts)
+    cuts = np.cumsum([n for n, _ in parts])[:-1]
+    split = [jnp.asarray(c) for c in np.split(codes, cuts, -1)]
+    np.testing.assert_array_equal(np.asarray(pack_parts(split, parts)), packed)
+    for got, c in zip(unpack_parts(jnp.asarray(packed), parts), split):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(c))
+    first, w = (np.asarray(x) for x in part_bit_layout(jnp.arange(len(widths), dtype=jnp.int32), parts))
+    np.testing.assert_array_equal(w, widths)
+    np.testing.assert_array_equal(first, np.concatenate([[0], np.cumsum(widths)[:-1]]))
+    assert parts_window(parts) == (-(-(first % 8 + w) // 8)).max() == 2
+    with pytest.raises(ValueError, match="holds 15 codes per token, got 14"):
+        pack_layout(jnp.asarray(codes[..., :14]), parts)

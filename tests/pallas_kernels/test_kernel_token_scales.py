@@ -18,14 +18,14 @@ from pallas_kernels.code_packing import pack_parts, parts_width
 
 
 def numpy_unpack(packed: np.ndarray, parts) -> np.ndarray:
-    """Independent unpack: little-endian bit stream per part (np.unpackbits), parts side by side."""
+    """Independent unpack: one little-endian bit stream per token (np.unpackbits), the parts' codes
+    one after the other at their widths."""
+    bits = np.unpackbits(packed, axis=-1, bitorder="little").astype(np.int64)
     out, off = [], 0
     for n, b in parts:
-        w = n if b == 8 else -(-n * b // 8)
-        bits = np.unpackbits(packed[..., off:off + w], axis=-1, bitorder="little")[..., :n * b]
-        bits = bits.reshape(bits.shape[:-1] + (n, b)).astype(np.int64)
-        out.append((bits << np.arange(b)).sum(-1))
-        off += w
+        chunk = bits[..., off:off + n * b].reshape(bits.shape[:-1] + (n, b))
+        out.append((chunk << np.arange(b)).sum(-1))
+        off += n * b
     return np.concatenate(out, axis=-1)
 
 
