@@ -62,7 +62,7 @@ from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_w
 from pallas_kernels.code_packing import Parts, check_parts, is_packed, pack_codes, pack_layout, parts_width, stored_width
 from million_jax.attention.pq_dispatch import KernelMesh, check_impl, pq_code_attention
 from million_jax.quant.kv_transforms import apply_head_transform
-from million_jax.quant.pq import Codebooks, code_dtype
+from million_jax.quant.pq import Codebooks, code_dtype, encode_parts
 from million_jax.quant.kv_codebooks import NORM_SCALE_DTYPE, PQCodebooks, unit_vectors
 from million_jax.quant.residual_pq import check_stages, encode_stages, fold_output, tile_query
 from million_jax.quant.uniform import KVBits
@@ -151,7 +151,7 @@ class PQLayer(ExactWindowLayer):
             k_enc = rope.to_pair_layout(rope.unrotate(k, cos[:, :, None], sin[:, :, None]), pairs)
             qc = rope.to_pair_layout(q, pairs)
         new_kc = _encode(consts.key, unit_vectors(k_enc) if consts.unit_codes and consts.key_norms else k_enc,
-                         consts.key_transform, stages)  # [B, Hkv, T, Mk]
+                         consts.key_transform, stages, consts.key_parts)  # [B, Hkv, T, Mk]
         new_vc = _encode(consts.value, unit_vectors(v) if consts.unit_codes and consts.value_norms else v,
                          consts.value_transform, stages)
         lo, hi = self.code_region(pos, lengths + n_new)
@@ -193,10 +193,14 @@ class PQLayer(ExactWindowLayer):
         return out.astype(q.dtype), writes
 
 
-def _encode(books: Codebooks, x: jax.Array, transform: jax.Array | None, stages: int) -> jax.Array:
-    """x float[B, T, Hkv, d] -> codes [B, Hkv, T, M] (transformed first; M counts all stages)."""
+def _encode(books: Codebooks, x: jax.Array, transform: jax.Array | None, stages: int,
+            parts: Parts | None = None) -> jax.Array:
+    """x float[B, T, Hkv, d] -> codes [B, Hkv, T, M] (transformed first; M counts all stages; codes
+    of several widths ``parts``: each run searches its own centroids only)."""
     if transform is not None:
         x = apply_head_transform(x, transform)
+    if parts is not None:
+        return encode_parts(Codebooks(books.centroids), jnp.swapaxes(x, 1, 2), parts)
     return encode_stages(Codebooks(books.centroids), jnp.swapaxes(x, 1, 2), stages)
 
 

@@ -210,6 +210,8 @@ class PQCodebooks:
         key_nbits and each narrower sub-space's rows past 2**bits repeat its centroid 0."""
         if parts is None:
             return dataclasses.replace(self, key_parts=None)
+        if self.stages != 1:
+            raise ValueError(f"key_parts: codes of several widths are for one stage, these codebooks have {self.stages}")
         try:
             parts = check_parts(parts)
         except ValueError as e:

@@ -205,6 +205,30 @@ def encode(codebooks: Codebooks, x: jax.Array, *, chunk_size: int = 16384) -> ja
     return _encode(codebooks.centroids, x, chunk_size)
 
 
+def encode_parts(codebooks: Codebooks, x: jax.Array, parts: tuple[tuple[int, int], ...], *,
+                 chunk_size: int = 16384) -> jax.Array:
+    """:func:`encode` for codes of several widths: sub-spaces of the run (n, bits) of ``parts`` search
+    only their first 2**bits centroids (``PQCodebooks.key_parts``; the rest are padding). The same
+    codes as :func:`encode` on codebooks padded with copies of centroid 0, with less work.
+
+    x: float[*G', N, d] -> codes [*broadcast(G', G), N, M], the dtype of the widest part."""
+    x = jnp.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"encode_parts: x must be [..., N, d], got shape {x.shape}")
+    _check_codebook_input(codebooks, x.shape[-1], "encode_parts")
+    _check_groups(codebooks, x.shape[:-2], "encode_parts", "x")
+    if sum(n for n, _ in parts) != codebooks.num_subspaces or max(b for _, b in parts) > codebooks.nbits:
+        raise ValueError(f"encode_parts: parts {parts} do not fit M={codebooks.num_subspaces} sub-spaces of "
+                         f"{codebooks.nbits}-bit codebooks")
+    c, ds = codebooks.centroids, codebooks.dsub
+    out, m0 = [], 0
+    for n, b in parts:
+        out.append(_encode(c[..., m0:m0 + n, :2 ** b, :], x[..., m0 * ds:(m0 + n) * ds], chunk_size))
+        m0 += n
+    dtype = code_dtype(max(b for _, b in parts))
+    return jnp.concatenate([o.astype(dtype) for o in out], axis=-1)
+
+
 def decode(codebooks: Codebooks, codes: jax.Array) -> jax.Array:
     """codes uint[*G', N, M] -> float32[*broadcast(G', G), N, d].
 

@@ -129,3 +129,20 @@ def test_bad_layouts_are_named():
         cache.layer_consts(books)
     with pytest.raises(ValueError, match="must hold M=8 codes"):
         PQCache.create(1, B, HKV, T, 16, M=8, nbits=5, key_parts=((3, 3), (2, 5)))
+
+
+def test_encode_parts_equals_encode_on_the_padded_codebooks():
+    from million_jax.quant.pq import encode, encode_parts
+
+    books = _books(np.random.default_rng(4))
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(HKV, 40, 16)).astype(np.float32))
+    cb = Codebooks(books.key.centroids[0])
+    got = encode_parts(cb, x, PARTS)
+    assert got.dtype == jnp.uint8 and got.shape == (HKV, 40, 8)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(encode(cb, x)))
+    with pytest.raises(ValueError, match="do not fit M=8"):
+        encode_parts(cb, x, ((8, 6),))
+    residual = PQCodebooks.from_centroids(np.tile(np.asarray(books.key.centroids), (1, 1, 2, 1, 1)),
+                                          np.tile(np.asarray(books.value.centroids), (1, 1, 2, 1, 1)), stages=2)
+    with pytest.raises(ValueError, match="for one stage"):
+        residual.with_key_parts(((16, 5),))
