@@ -110,7 +110,7 @@ def test_residual_cache_matches_numpy_reference(stages, transforms, pack):
     q, k, v = (rng.normal(size=(B, T, n, D)).astype(np.float32) for n in (H, HKV, HKV))
     ref = _np_reference(books, q, k, v)
     cache = PQCache.for_codebooks(books, B, HKV, T, quantize_all=True, impl="xla", pack=pack)
-    assert cache.layers.budgets == (2 * stages, 4, 2 * stages, 4, stages)
+    assert cache.layers.budgets == (2 * stages, 4, 2 * stages, 4, stages, None)  # no key parts
     layer = jax.tree.map(lambda x: x[0], cache.layers)
     per_layer = jax.tree.map(lambda x: x[0], books)
     out, _ = layer.append(per_layer, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
