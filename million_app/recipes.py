@@ -225,8 +225,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq4-pre-nu-k4.5v3.5", 2, 9, 2, 7, rope="pre", norms=True, unit=True),
     Recipe("pq4-pre-nu-k5v3", 2, 10, 2, 6, rope="pre", norms=True, unit=True),
     # pq4-pre-nu with the keys' 8 bits per pair allocated across the RoPE pairs (6..10 bits, one
-    # layout for the model, same 4.25 b/elem; emulated 2026-12-07 at +1.24 / +1.07%:
-    # frontier/key_bits/README.md)
+    # layout for the model, same 4.25 b/elem): `calibrate --bits 4` since 2026-12-07 (BEST_FOR_BITS)
     Recipe("pq4-pre-nu-pa", 2, 8, 2, 8, rope="pre", norms=True, unit=True, pair_widths=(6, 10)),
 )}
 
@@ -249,9 +248,17 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 #   SmolLM2 pq2-pre-g2 +22.0 / +20.7% (2.00 b/elem; pq2-r2-qa +36.7 / +39.2%), -n +19.7 / +17.9%,
 #   -nu +14.0 / +14.5% (2.25 b; pq2-r2-qa-nu +23.5 / +23.0%): pq2-pre-g2-nu, and --bits 2 now keeps
 #   keys before RoPE (only --bits 1 stays after it).
+# Key bits allocated across RoPE pairs at 4 b/elem (benchmarks/results/frontier/key_bits/README.md (4),
+# 2026-12-07; SmolLM2, 32768 tokens of builtin:eval, dense 12.701, every key/value from codes, both
+# recipes fitted in one process per seed):
+#   pq4-pre-nu +1.79 / +1.40%  -> pq4-pre-nu-pa +1.13 / +1.18%  (4.25 b/elem; one layout for the model,
+#   K5x6+9x7+2x8+1x7+5x8+10x10 on both seeds); needle at 8K, 100% depth, 3 keys, teacher-forced
+#   log p(key): dense -1.66, pq4-pre-nu -2.48 / -2.38, pq4-pre-nu-pa -1.68 / -1.38 (seeds 0 / 1;
+#   greedily found 2/3 and 3/3 where dense and pq4-pre-nu find 0/3).
+#   The fit takes ~4-6x longer (key codebooks of 6, 7, 9 and 10 bits).
 BEST_FOR_BITS: dict[str, dict[int, str]] = {
     "post": {4: "pq4-qa", 3: "pq3-qa", 2: "pq2-r2-qa-nu", 1: "pq1-qa"},
-    "pre": {4: "pq4-pre-nu", 3: "pq3-pre-nu", 2: "pq2-pre-g2-nu"},
+    "pre": {4: "pq4-pre-nu-pa", 3: "pq3-pre-nu", 2: "pq2-pre-g2-nu"},
 }
 
 # model family -> key_rope -> bits -> recipe, where a family measured another best than BEST_FOR_BITS.
