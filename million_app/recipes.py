@@ -63,7 +63,8 @@ import numpy as np
 
 from million_app.errors import UsageError
 from million_app.progress import counting, status
-from million_jax.calibration.fit import DEFAULT_MAX_VECTORS, fit_kv_codebooks, fit_pair_key_centroids
+from million_jax.calibration.fit import (DEFAULT_MAX_VECTORS, GROUPS_PER_FIT, fit_kv_codebooks, fit_pair_key_centroids,
+                                         fits_needed)
 from million_jax.calibration.pair_bits import allocate_key_bits
 from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
 from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform
@@ -351,10 +352,11 @@ PAIR_ERROR_SAMPLE = 4096  # calibration keys per (layer, KV head) that rank the 
 
 
 def _allocate_pair_bits(recipe: Recipe, books: PQCodebooks, k: np.ndarray, q_gram, q_count, *, granularity: str,
-                        seed: int, iters: int, max_vectors: int) -> PQCodebooks:
+                        seed: int, iters: int, max_vectors: int, report_to: dict | None = None) -> PQCodebooks:
     """``books`` with the keys' bits allocated across RoPE pairs (``Recipe.pair_widths``): key
     codebooks of the other widths fitted on the same keys ``k`` float32[L, Hkv, N, d] (pre-RoPE, not
-    normalised), ranked on a sample of them (:func:`million_jax.calibration.pair_bits.allocate_key_bits`)."""
+    normalised), ranked on a sample of them (:func:`million_jax.calibration.pair_bits.allocate_key_bits`).
+    ``report_to``: a dict that gets the widths per pair and the weighted key error vs uniform widths."""
     lo, hi = recipe.pair_widths
     pool = k.shape[2] * {"layer_head": 1, "layer": k.shape[1], "shared": k.shape[0] * k.shape[1]}[granularity]
     fits = int(np.log2(min(max_vectors, pool)))  # the widest codebook the samples can fit (>= key_nbits: fitted)
@@ -365,21 +367,29 @@ def _allocate_pair_bits(recipe: Recipe, books: PQCodebooks, k: np.ndarray, q_gra
     others = [w for w in range(lo, hi + 1) if w != recipe.key_nbits]
     fit_keys = unit_vectors(k) if recipe.unit else k
     by_width = {}
-    with counting(f"key codebooks of {lo}..{hi} bits ({recipe.name})", "width") as report:
-        for i, w in enumerate(others):
+    groups = {"layer_head": k.shape[0] * k.shape[1], "layer": k.shape[0], "shared": 1}[granularity]
+    total, done = len(others) * fits_needed(groups, GROUPS_PER_FIT), [0]
+    with counting(f"key codebooks of {', '.join(map(str, others))} bits ({recipe.name})", "fit") as report:
+        def step() -> None:
+            done[0] += 1
+            report(done[0], total)
+
+        for w in others:
             by_width[w] = fit_pair_key_centroids(fit_keys, w, granularity=granularity,
                                                  key=jax.random.fold_in(jax.random.PRNGKey(seed), 1000 + w),
-                                                 max_vectors=max_vectors, iters=iters)
-            report(i + 1, len(others))
+                                                 max_vectors=max_vectors, iters=iters, progress=step)
     pick = np.sort(np.random.default_rng(seed).choice(k.shape[2], min(PAIR_ERROR_SAMPLE, k.shape[2]), replace=False))
-    out, _ = allocate_key_bits(books, by_width, k[:, :, pick], q_gram, q_count)
+    out, summary = allocate_key_bits(books, by_width, k[:, :, pick], q_gram, q_count)
+    if report_to is not None:
+        report_to.update(key_bits_per_pair=summary["key_bits_per_pair"],
+                         pair_score_error_vs_uniform=summary["score_error_vs_uniform"])
     return out
 
 
 def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.ndarray, q_count: np.ndarray, *,
                granularity: str = "layer_head", seed: int = 0, iters: int = 25,
                max_vectors: int = DEFAULT_MAX_VECTORS, queries: tuple | None = None,
-               finetune_report: list | None = None) -> PQCodebooks:
+               finetune_report: list | None = None, allocation_report: dict | None = None) -> PQCodebooks:
     """Codebooks of ``recipe`` from calibration K/V float32[L, Hkv, N, d] and the query Gram sums
     float[L, Hkv, d, d] / counts [L, Hkv] (``million_app.calibrate.calibration_kvq``).
 
@@ -387,7 +397,9 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
     float32[L, Hkv, G, Nq, d], their token indices int[Nq] into the N calibration tokens and the
     window length (``million_app.calibrate.calibration_kvq_samples``). A ``rope="pre"`` recipe
     needs ``k`` collected before RoPE (``calibration_kvq(..., key_rope="pre")``). The per-layer
-    ``LayerFinetune`` reports are appended to ``finetune_report`` when it is a list."""
+    ``LayerFinetune`` reports are appended to ``finetune_report`` when it is a list. A recipe with
+    ``pair_widths`` puts its widths per RoPE pair and their weighted key error vs uniform widths into
+    ``allocation_report`` when it is a dict."""
     c = model.config
     _check_calibration_arrays(recipe, c, k, v, q_gram, q_count)
     kt = query_aware_key_transform(q_gram, q_count) if recipe.query_aware else None
@@ -413,7 +425,7 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
             books = books.with_explicit_norms(True, True, recipe.unit)
         if recipe.pair_widths is not None:
             books = _allocate_pair_bits(recipe, books, k_raw, q_gram, q_count, granularity=granularity, seed=seed,
-                                        iters=iters, max_vectors=max_vectors)
+                                        iters=iters, max_vectors=max_vectors, report_to=allocation_report)
         if ft is None:
             return books
         q, q_pos, window = queries

@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
                         + f", {args.iters} iterations")
     else:
         progress.status(f"recipe {recipe.name} for --bits {args.bits} --rope {args.rope}: {recipe.describe()}")
+    allocation: dict = {}  # recipes with pair_widths: the key widths per RoPE pair, recorded in the file
     with progress.timed("fitting codebooks") as t:
         if recipe is None:
             if args.norms == "unit":  # NEQ: the codebooks code directions, the stored scale the norm
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             books = fit_recipe(recipe, model, k, v, gram, count, granularity=args.granularity,
                                seed=args.seed, iters=args.iters, max_vectors=args.max_vectors,
-                               queries=queries)
+                               queries=queries, allocation_report=allocation)
     if recipe is None and args.norms != "adopted":
         books = books.with_explicit_norms(args.norms != "off", args.norms != "off", args.norms == "unit")
     precise_sinks = args.precise_sinks
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                              fit_seconds=round(t["seconds"], 2),
                              recipe=recipe.name if recipe else None,
                              finetune_steps=recipe.finetune_steps if recipe else 0,
-                             precise_sinks=precise_sinks)
+                             precise_sinks=precise_sinks, **allocation)
     save_model_codebooks(args.out, books, meta, force=args.force, doing="calibrating")
     sinks = f", {precise_sinks} exact first tokens per sequence" if precise_sinks else ""
     print(f"wrote {args.out}: {books.recipe} {books.granularity} codebooks "

@@ -117,7 +117,7 @@ def test_long_calibration_windows_are_prefilled_in_chunks(tiny, monkeypatch, key
     np.testing.assert_array_equal(n1, n0)
 
 
-def test_calibrate_bits_reports_counts_and_eta(cli, tiny_dir, tmp_path, monkeypatch):
+def test_calibrate_bits_reports_counts_and_eta(cli, tiny_dir, tiny, tmp_path, monkeypatch):
     """`calibrate --bits` shows counts and an ETA while fitting, and a long calibration window
     shows tokens done as it goes (off a terminal: a status line per step here)."""
     from million_app import calibrate, progress
@@ -132,6 +132,11 @@ def test_calibrate_bits_reports_counts_and_eta(cli, tiny_dir, tmp_path, monkeypa
                    "calibration forward (1 window of 512): 512/512 tokens", f"k-means ({name}): 1/", " fits, "):
         assert needle in res.err, (needle, res.err)
     assert any(line.startswith(f"  k-means ({name}): ") and "ETA" in line for line in res.err.splitlines()), res.err
+    if RECIPES[name].pair_widths is not None:  # the key widths per RoPE pair: progress, and recorded in the file
+        assert f"key codebooks of 6, 7, 9 bits ({name}): 1/" in res.err, res.err  # 512 vectors: 10 bits capped
+        meta = load_codebooks(str(tmp_path / "b.safetensors"))[1]
+        assert len(meta["key_bits_per_pair"]) == tiny.config.head_dim // 2
+        assert sum(meta["key_bits_per_pair"]) == 8 * len(meta["key_bits_per_pair"])
 
 
 @pytest.mark.parametrize("change,match", [
@@ -215,8 +220,10 @@ def test_pair_widths_recipe_allocates_key_bits_at_the_same_mean(tiny):
     gram, count = np.einsum("lhni,lhnj->lhij", q, q), np.full((L, h), 100)
     recipe = dataclasses.replace(RECIPES["pq4-pre-nu-pa"], name="tiny-pa", key_nbits=3, value_nbits=3,
                                  pair_widths=(2, 4))
-    books = fit_recipe(recipe, tiny, k, v, gram, count, iters=3, max_vectors=512)
+    report = {}
+    books = fit_recipe(recipe, tiny, k, v, gram, count, iters=3, max_vectors=512, allocation_report=report)
     bits = [b for n, b in books.key_parts for _ in range(n)]
+    assert report["key_bits_per_pair"] == bits and report["pair_score_error_vs_uniform"]["allocation"] < 1.0
     assert len(bits) == d // 2 and sum(bits) == 3 * d // 2 and set(bits) != {3}
     assert books.bits_per_element == pytest.approx(recipe.stored_bits(d))
     assert books.key.centroids.shape[-2] == 2 ** max(bits)
