@@ -63,8 +63,8 @@ import numpy as np
 
 from million_app.errors import UsageError
 from million_app.progress import counting, status
-from million_jax.calibration.fit import (DEFAULT_MAX_VECTORS, GROUPS_PER_FIT, fit_kv_codebooks, fit_pair_key_centroids,
-                                         fits_needed)
+from million_jax.calibration.fit import (DEFAULT_MAX_VECTORS, GROUPS_PER_FIT, codebook_groups, fit_kv_codebooks,
+                                         fit_pair_key_centroids, fits_needed)
 from million_jax.calibration.pair_bits import allocate_key_bits
 from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
 from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform
@@ -358,7 +358,8 @@ def _allocate_pair_bits(recipe: Recipe, books: PQCodebooks, k: np.ndarray, q_gra
     normalised), ranked on a sample of them (:func:`million_jax.calibration.pair_bits.allocate_key_bits`).
     ``report_to``: a dict that gets the widths per pair and the weighted key error vs uniform widths."""
     lo, hi = recipe.pair_widths
-    pool = k.shape[2] * {"layer_head": 1, "layer": k.shape[1], "shared": k.shape[0] * k.shape[1]}[granularity]
+    groups = codebook_groups(granularity, *k.shape[:2])
+    pool = k.shape[0] * k.shape[1] * k.shape[2] // groups  # calibration vectors per codebook
     fits = int(np.log2(min(max_vectors, pool)))  # the widest codebook the samples can fit (>= key_nbits: fitted)
     if fits < hi:
         status(f"recipe {recipe.name}: key widths capped at {fits} bits (of {hi}): {min(max_vectors, pool)} "
@@ -367,7 +368,6 @@ def _allocate_pair_bits(recipe: Recipe, books: PQCodebooks, k: np.ndarray, q_gra
     others = [w for w in range(lo, hi + 1) if w != recipe.key_nbits]
     fit_keys = unit_vectors(k) if recipe.unit else k
     by_width = {}
-    groups = {"layer_head": k.shape[0] * k.shape[1], "layer": k.shape[0], "shared": 1}[granularity]
     total, done = len(others) * fits_needed(groups, GROUPS_PER_FIT), [0]
     with counting(f"key codebooks of {', '.join(map(str, others))} bits ({recipe.name})", "fit") as report:
         def step() -> None:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.code_packing import Parts, check_parts, codebook_nbits, is_packed, parts_width
+from pallas_kernels.code_packing import Parts, check_layout_codes, check_parts, codebook_nbits, is_packed
 
 __all__ = ["PQDims", "check_pq_inputs", "is_power_of_two", "pq_dims"]
 
@@ -199,12 +199,7 @@ def check_pq_inputs(
 
 def _check_parts_fit(name: str, parts: Parts, m: int, k: int, codes_name: str, width: int, dtype: np.dtype) -> None:
     """ValueError unless codes [..., width] of ``dtype`` hold M codes in the layout ``parts``."""
-    parts = check_parts(parts)
-    if sum(n for n, _ in parts) != m:
-        raise ValueError(f"{codes_name} parts {parts} hold {sum(n for n, _ in parts)} codes, {name} has M={m}")
-    if dtype != np.uint8 or width != parts_width(parts):
-        raise ValueError(f"{codes_name} in the layout {parts} must be uint8[..., {parts_width(parts)}], "
-                         f"got {dtype}[..., {width}]")
+    parts = check_layout_codes(parts, m, width, dtype, codes_name, name)
     widest = max(b for _, b in parts)
     if k < 1 << widest:
         raise ValueError(f"{name} K={k} is smaller than the {1 << widest} codes a {widest}-bit part can name")

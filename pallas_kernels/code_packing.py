@@ -30,7 +30,8 @@ import numpy as np
 
 __all__ = ["MAX_PACKED_BITS", "packed_width", "stored_width", "is_packed", "codebook_nbits", "code_bytes",
            "assemble_codes", "pack_codes", "unpack_codes", "maybe_unpack", "Parts", "check_parts", "parts_width",
-           "parts_window", "part_bit_layout", "pack_parts", "unpack_parts", "pack_layout", "unpack_layout"]
+           "parts_window", "part_bit_layout", "pack_parts", "unpack_parts", "pack_layout", "unpack_layout", "check_layout",
+           "check_layout_codes"]
 
 MAX_PACKED_BITS = 15  # a code plus its bit offset (< 8) spans at most 3 bytes
 
@@ -70,13 +71,16 @@ def codebook_nbits(num_centroids: int) -> int:
     return max(1, (int(num_centroids) - 1).bit_length())
 
 
+def _window(first: np.ndarray, widths) -> int:
+    """The most bytes one code touches: codes at bits [first, first + widths) of the stream."""
+    return int(np.max(-(-(first % 8 + widths) // 8))) if len(first) else 1
+
+
 def code_bytes(M: int, nbits: int) -> tuple[np.ndarray, np.ndarray, int]:
     """(byte int32[M], shift int32[M], window): code m starts at bit ``shift[m]`` of byte
     ``byte[m]`` and lies within bytes ``byte[m] .. byte[m] + window - 1``."""
     offset = np.arange(M, dtype=np.int64) * nbits
-    shift = offset % 8
-    window = int(np.max(-(-(shift + nbits) // 8))) if M else 1
-    return (offset // 8).astype(np.int32), shift.astype(np.int32), window
+    return (offset // 8).astype(np.int32), (offset % 8).astype(np.int32), _window(offset, nbits)
 
 
 def assemble_codes(window_bytes: Sequence[jax.Array], shift: jax.Array, nbits: int) -> jax.Array:
@@ -89,12 +93,12 @@ def assemble_codes(window_bytes: Sequence[jax.Array], shift: jax.Array, nbits: i
     return (word >> shift) & ((1 << nbits) - 1)
 
 
-def pack_codes(codes: jax.Array, nbits: int) -> jax.Array:
-    """codes int[..., M] (each < 2**nbits) -> uint8[..., ceil(M * nbits / 8)] (module docstring)."""
+def _pack_stream(codes: jax.Array, first: np.ndarray, widths: np.ndarray, P: int) -> jax.Array:
+    """codes int[..., M] -> uint8[..., P]: code m at bits [first[m], first[m] + widths[m]) of the
+    token's little-endian bit stream (the one packer of :func:`pack_codes` and :func:`pack_layout`)."""
     M = codes.shape[-1]
-    P = packed_width(M, nbits)
-    byte, shift, window = code_bytes(M, nbits)
-    c = (codes.astype(jnp.int32) & ((1 << nbits) - 1)) << jnp.asarray(shift)
+    byte, shift, window = first // 8, first % 8, _window(first, widths)
+    c = (codes.astype(jnp.int32) & jnp.asarray((1 << widths) - 1, jnp.int32)) << jnp.asarray(shift, jnp.int32)
     out = None
     for j in range(window):
         # one-hot [M, P]: code m's j-th byte lands in byte[m] + j (bit fields never overlap,
@@ -106,17 +110,33 @@ def pack_codes(codes: jax.Array, nbits: int) -> jax.Array:
     return out.astype(jnp.uint8)
 
 
+def _unpack_stream(packed: jax.Array, first: np.ndarray, widths: np.ndarray) -> jax.Array:
+    """Inverse of :func:`_pack_stream`: int32[..., M] from uint8[..., P]."""
+    P = packed.shape[-1]
+    shift = first % 8
+    b = packed.astype(jnp.int32)
+    taken = [jnp.take(b, np.minimum(first // 8 + j, P - 1), axis=-1) for j in range(_window(first, widths))]
+    nbits = int(widths[0]) if len(set(widths.tolist())) == 1 else jnp.asarray(widths, jnp.int32)
+    return assemble_codes(taken, jnp.asarray(shift, jnp.int32), nbits)
+
+
+def _uniform_bits(M: int, nbits: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.arange(M, dtype=np.int64) * nbits, np.full(M, nbits, np.int64)
+
+
+def pack_codes(codes: jax.Array, nbits: int) -> jax.Array:
+    """codes int[..., M] (each < 2**nbits) -> uint8[..., ceil(M * nbits / 8)] (module docstring)."""
+    M = codes.shape[-1]
+    return _pack_stream(codes, *_uniform_bits(M, nbits), packed_width(M, nbits))
+
+
 def unpack_codes(packed: jax.Array, M: int, nbits: int) -> jax.Array:
     """uint8[..., ceil(M * nbits / 8)] -> uint8[..., M] (uint16 for nbits > 8; module docstring)."""
     P = packed_width(M, nbits)
     if packed.shape[-1] != P:
         raise ValueError(f"packed codes must have {P} bytes per token for M={M} x {nbits} bits, "
                          f"got {packed.shape[-1]}")
-    byte, shift, window = code_bytes(M, nbits)
-    b = packed.astype(jnp.int32)
-    taken = [jnp.take(b, np.minimum(byte + j, P - 1), axis=-1) for j in range(window)]
-    codes = assemble_codes(taken, jnp.asarray(shift), nbits)
-    return codes.astype(jnp.uint8 if nbits < 8 else jnp.uint16)
+    return _unpack_stream(packed, *_uniform_bits(M, nbits)).astype(jnp.uint8 if nbits < 8 else jnp.uint16)
 
 
 def maybe_unpack(codes: jax.Array, M: int, nbits: int) -> jax.Array:
@@ -159,8 +179,7 @@ def parts_width(parts: Parts) -> int:
 
 def parts_window(parts: Parts) -> int:
     """The most bytes one code of the layout touches."""
-    first, widths = _layout_bits(parts)
-    return int(np.max(-(-(first % 8 + widths) // 8)))
+    return _window(*_layout_bits(parts))
 
 
 def part_bit_layout(m: jax.Array, parts: Parts) -> tuple[jax.Array, jax.Array]:
@@ -178,25 +197,42 @@ def part_bit_layout(m: jax.Array, parts: Parts) -> tuple[jax.Array, jax.Array]:
     return bit, width
 
 
+def check_layout(parts: Parts, M: int, nbits: int, name: str = "key_parts") -> Parts:
+    """``parts`` checked (:func:`check_parts`) as the layout of M codes for codebooks of ``nbits``
+    bits (K = 2**nbits): the counts sum to M and the widest part has nbits bits; else ValueError."""
+    try:
+        parts = check_parts(parts)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    held, widest = sum(n for n, _ in parts), max(b for _, b in parts)
+    if held != M:
+        raise ValueError(f"{name} {parts} hold {held} codes, but the layout must hold M={M} codes")
+    if widest != nbits:
+        raise ValueError(f"{name} {parts}: the widest part has {widest} bits, the codebooks {nbits} (K={2 ** nbits})")
+    return parts
+
+
+def check_layout_codes(parts: Parts, M: int, width: int, dtype, codes_name: str = "codes",
+                       books_name: str = "the codebook") -> Parts:
+    """``parts`` checked as the layout of code arrays [..., width] of ``dtype`` that hold M codes
+    (uint8[..., parts_width(parts)]); else ValueError naming ``codes_name`` / ``books_name``."""
+    parts = check_parts(parts)
+    held = sum(n for n, _ in parts)
+    if held != M:
+        raise ValueError(f"{codes_name} parts {parts} hold {held} codes, {books_name} has M={M}")
+    if np.dtype(dtype) != np.uint8 or width != parts_width(parts):
+        raise ValueError(f"{codes_name} in the layout {parts} must be uint8[..., {parts_width(parts)}], "
+                         f"got {np.dtype(dtype)}[..., {width}]")
+    return parts
+
+
 def pack_layout(codes: jax.Array, parts: Parts) -> jax.Array:
     """codes int[..., M] (M = sum n_p; each code of part p < 2**bits_p) -> uint8[..., parts_width(parts)]."""
     parts = check_parts(parts)
     M = sum(n for n, _ in parts)
     if codes.shape[-1] != M:
         raise ValueError(f"layout {parts} holds {M} codes per token, got {codes.shape[-1]}")
-    if len(parts) == 1:
-        return codes.astype(jnp.uint8) if parts[0][1] == 8 else pack_codes(codes, parts[0][1])
-    first, widths = _layout_bits(parts)
-    P, window = parts_width(parts), parts_window(parts)
-    byte, shift = first // 8, first % 8
-    c = (codes.astype(jnp.int32) & jnp.asarray((1 << widths) - 1, jnp.int32)) << jnp.asarray(shift, jnp.int32)
-    out = None
-    for j in range(window):  # as pack_codes: code m's j-th byte lands in byte[m] + j (an OR as a sum)
-        onehot = np.zeros((M, P + window), np.int32)
-        onehot[np.arange(M), byte + j] = 1
-        part = jnp.dot((c >> (8 * j)) & 0xFF, jnp.asarray(onehot[:, :P]), preferred_element_type=jnp.int32)
-        out = part if out is None else out + part
-    return out.astype(jnp.uint8)
+    return _pack_stream(codes, *_layout_bits(parts), parts_width(parts))
 
 
 def unpack_layout(packed: jax.Array, parts: Parts) -> jax.Array:
@@ -205,11 +241,7 @@ def unpack_layout(packed: jax.Array, parts: Parts) -> jax.Array:
     if packed.shape[-1] != parts_width(parts):
         raise ValueError(f"codes of layout {parts} take {parts_width(parts)} bytes per token, got {packed.shape[-1]}")
     dtype = jnp.uint16 if max(b for _, b in parts) > 8 else jnp.uint8
-    first, widths = _layout_bits(parts)
-    P = packed.shape[-1]
-    b = packed.astype(jnp.int32)
-    taken = [jnp.take(b, np.minimum(first // 8 + j, P - 1), axis=-1) for j in range(parts_window(parts))]
-    return assemble_codes(taken, jnp.asarray(first % 8, jnp.int32), jnp.asarray(widths, jnp.int32)).astype(dtype)
+    return _unpack_stream(packed, *_layout_bits(parts)).astype(dtype)
 
 
 def pack_parts(codes: Sequence[jax.Array], parts: Parts) -> jax.Array:

@@ -38,7 +38,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.code_packing import Parts, check_parts, codebook_nbits, is_packed, maybe_unpack, parts_width, unpack_layout
+from pallas_kernels.code_packing import (Parts, check_layout, check_layout_codes, codebook_nbits, is_packed, maybe_unpack,
+                                         unpack_layout)
 from million_jax.attention.tiling import tiled_attention
 from pallas_kernels.pq_math import (
     build_lut,
@@ -73,11 +74,8 @@ def check_code_fit(d: int, k_codes, v_codes, k_centroids, v_centroids, k_parts: 
         nbits = codebook_nbits(kc)
         try:
             if name == "key" and k_parts is not None:
-                parts = check_parts(k_parts)
-                if (sum(n for n, _ in parts) != m_cb or max(b for _, b in parts) != nbits
-                        or codes.dtype != jnp.uint8 or codes.shape[-1] != parts_width(parts)):
-                    raise ValueError(f"codes {codes.dtype}[..., {codes.shape[-1]}] are not M={m_cb} codes in the "
-                                     f"layout {parts} (uint8[..., {parts_width(parts)}], widest part {nbits} bits)")
+                check_layout(k_parts, m_cb, nbits)
+                check_layout_codes(k_parts, m_cb, codes.shape[-1], codes.dtype)
             else:
                 is_packed(codes.shape[-1], m_cb, nbits)
         except ValueError as e:

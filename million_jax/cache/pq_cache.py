@@ -59,7 +59,8 @@ from million_jax import rope
 from million_jax.attention.exact import tiled_dense_attention
 from million_jax.cache.base import CACHE_DIMS, Writes, check_cache_args, kept_tokens, register_cache, token_rows
 from million_jax.cache.window import ExactWindowCache, ExactWindowLayer, empty_window
-from pallas_kernels.code_packing import Parts, check_parts, is_packed, pack_codes, pack_layout, parts_width, stored_width
+from pallas_kernels.code_packing import (Parts, check_layout, check_layout_codes, is_packed, pack_codes, pack_layout,
+                                         parts_width, stored_width)
 from million_jax.attention.pq_dispatch import KernelMesh, check_impl, pq_code_attention
 from million_jax.quant.kv_transforms import apply_head_transform
 from million_jax.quant.pq import Codebooks, code_dtype, encode_parts
@@ -103,11 +104,12 @@ class PQLayer(ExactWindowLayer):
         """``consts``, if the stored codes fit them (width M, or M packed codes of nbits, and the
         dtype they make); else ValueError. Codes stacked [L, ...] or one layer's alike."""
         if consts.key_parts is not None:
-            want = parts_width(consts.key_parts)
-            if self.k_codes.dtype != jnp.uint8 or self.k_codes.shape[-1] != want:
-                raise ValueError(f"key codebooks store codes in the layout {consts.key_parts} (uint8[..., {want}]) "
-                                 f"but the cache holds {self.k_codes.dtype}[..., {self.k_codes.shape[-1]}]: make "
-                                 "the cache with PQCache.for_codebooks(codebooks, ...)")
+            try:
+                check_layout_codes(consts.key_parts, consts.key_M, self.k_codes.shape[-1], self.k_codes.dtype,
+                                   "the cache's key codes", "the key codebook")
+            except ValueError as e:
+                raise ValueError(f"key codebooks of several widths do not match the cache: {e}; make the cache with "
+                                 "PQCache.for_codebooks(codebooks, ...)") from None
         for name, books, codes in (("key", consts.key, self.k_codes), ("value", consts.value, self.v_codes)):
             if name == "key" and consts.key_parts is not None:
                 continue
@@ -278,9 +280,7 @@ class PQCache(ExactWindowCache):
                                  + (f" / stages={stages}" if stages > 1 else ""))
         check_impl(impl)
         if key_parts is not None:
-            key_parts = check_parts(key_parts)
-            if sum(n for n, _ in key_parts) != M or max(b for _, b in key_parts) != nbits:
-                raise ValueError(f"key_parts {key_parts} must hold M={M} codes, the widest of nbits={nbits} bits")
+            key_parts = check_layout(key_parts, M, nbits)
         lead = (num_layers, batch, num_kv_heads, max_len)
 
         def codes(m: int, nb: int) -> jax.Array:

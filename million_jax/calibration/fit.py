@@ -30,10 +30,10 @@ from million_jax.cache.dense import DenseCache
 from million_jax.cache.query_stats import QueryStatsCache
 from million_jax.quant.kv_transforms import transform_rows
 from million_jax.quant.pq import Codebooks, check_nbits, check_subspaces, fit_codebooks
-from million_jax.quant.kv_codebooks import GRANULARITIES, PQCodebooks, check_pre_rope_keys
+from million_jax.quant.kv_codebooks import GRANULARITIES, PQCodebooks, check_pre_rope_keys, per_layer_centroids
 from million_jax.quant.residual_pq import check_stage_count, fit_stages
 
-__all__ = ["check_max_vectors", "collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_pair_key_centroids",
+__all__ = ["check_max_vectors", "collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_pair_key_centroids", "codebook_groups",
            "fit_in_chunks", "DEFAULT_MAX_VECTORS",
            "GROUPS_PER_FIT"]
 
@@ -185,9 +185,8 @@ def fit_kv_codebooks(
         values = transform_rows(values, value_transform)
     kk, kv = jax.random.split(key)
     rng = np.random.default_rng(int(jax.random.randint(kk, (), 0, 2**31 - 1)))
-    n_groups = {"shared": 1, "layer": keys.shape[0], "layer_head": keys.shape[0] * keys.shape[1]}
     stages = check_stage_count(stages)
-    per_set = stages * fits_needed(n_groups[granularity], groups_per_fit)
+    per_set = stages * fits_needed(codebook_groups(granularity, *keys.shape[:2]), groups_per_fit)
     done = [0]
 
     def step() -> None:
@@ -241,11 +240,12 @@ def fit_pair_key_centroids(keys: np.ndarray, nbits: int, *, granularity: str = "
     books = _fit_side(rope.to_pair_layout(keys, 1), None, keys.shape[-1] // 2, nbits, granularity=granularity,
                       key=jax.random.fold_in(key, 1), rng=rng, max_vectors=max_vectors, stages=1, iters=iters,
                       chunk_size=chunk_size, groups_per_fit=groups_per_fit, progress=progress)
-    c = np.asarray(books.centroids, np.float32)
-    L = keys.shape[0]
-    if granularity == "shared":
-        return np.broadcast_to(c[None, None], (L, 1) + c.shape).copy()
-    return c[:, None] if granularity == "layer" else c
+    return np.asarray(per_layer_centroids(books.centroids, granularity, keys.shape[0]), np.float32)
+
+
+def codebook_groups(granularity: str, num_layers: int, num_kv_heads: int) -> int:
+    """How many codebooks (k-means problems per sub-space) a granularity fits for a model."""
+    return {"shared": 1, "layer": num_layers, "layer_head": num_layers * num_kv_heads}[granularity]
 
 
 def check_max_vectors(max_vectors: int, nbits: int) -> None:

@@ -18,6 +18,7 @@ to 0.50x.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
@@ -144,10 +145,7 @@ def allocate_key_bits(books: PQCodebooks, by_width: Mapping[int, np.ndarray], ke
     bits = [widths[i] for i in pick]
     parts = runs(bits)
     cents = pad_centroids(by_width, bits)
-    out = PQCodebooks(Codebooks(cents), books.value, books.granularity, stages=1,
-                      rope_inv_freq=books.rope_inv_freq, key_norms=books.key_norms, value_norms=books.value_norms,
-                      unit_codes=books.unit_codes, value_transform=books.value_transform,
-                      output_transform=books.output_transform).with_key_parts(parts)
+    out = dataclasses.replace(books, key=Codebooks(cents)).with_key_parts(parts)
     base = float(total[:, start].sum())
     report = {"key_bits_per_pair": bits, "key_parts": [list(p) for p in parts],
               "score_error_vs_uniform": {"allocation": float(total[np.arange(len(pick)), pick].sum()) / base,

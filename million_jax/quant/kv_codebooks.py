@@ -62,9 +62,9 @@ from million_jax import rope
 from million_jax.quant.kv_transforms import check_transform, inverse, inverse_transpose
 from million_jax.quant.pq import Codebooks
 from million_jax.quant.residual_pq import check_stages
-from pallas_kernels.code_packing import Parts, check_parts
+from pallas_kernels.code_packing import Parts, check_layout
 
-__all__ = ["PQCodebooks", "GRANULARITIES", "NORM_SCALE_BITS", "NORM_SCALE_DTYPE", "check_pre_rope_keys", "unit_vectors"]
+__all__ = ["PQCodebooks", "GRANULARITIES", "NORM_SCALE_BITS", "NORM_SCALE_DTYPE", "check_pre_rope_keys", "per_layer_centroids", "unit_vectors"]
 
 GRANULARITIES = ("shared", "layer", "layer_head")
 NORM_SCALE_DTYPE = jnp.bfloat16  # an explicit norm scale: one per token and head, in the cache
@@ -95,7 +95,8 @@ def check_pre_rope_keys(head_dim: int, key_M: int, has_key_transform: bool) -> N
 _GROUP_RANK = {"shared": 0, "layer": 1, "layer_head": 2}
 
 
-def _normalise(c, granularity: str, num_layers: int | None) -> jax.Array:
+def per_layer_centroids(c, granularity: str, num_layers: int | None) -> jax.Array:
+    """Centroids in the fitted form of ``granularity`` (module docstring) -> float32[L, G, M, K, dsub]."""
     c = jnp.asarray(c, jnp.float32)
     rank = c.ndim - 3
     if rank != _GROUP_RANK[granularity]:
@@ -150,8 +151,8 @@ class PQCodebooks:
         """
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-        k = _normalise(key, granularity, num_layers)
-        v = _normalise(value, granularity, num_layers)
+        k = per_layer_centroids(key, granularity, num_layers)
+        v = per_layer_centroids(value, granularity, num_layers)
         if k.shape[:2] != v.shape[:2] or k.shape[2] * k.shape[4] != v.shape[2] * v.shape[4]:
             raise ValueError(f"key and value codebooks do not fit one model: {k.shape} vs {v.shape} "
                              "([L, G, M, K, dsub] with the same L, G and M * dsub)")
@@ -212,17 +213,7 @@ class PQCodebooks:
             return dataclasses.replace(self, key_parts=None)
         if self.stages != 1:
             raise ValueError(f"key_parts: codes of several widths are for one stage, these codebooks have {self.stages}")
-        try:
-            parts = check_parts(parts)
-        except ValueError as e:
-            raise ValueError(f"key_parts: {e}") from None
-        if sum(n for n, _ in parts) != self.key_M:
-            raise ValueError(f"key_parts {parts} hold {sum(n for n, _ in parts)} codes, the key codebooks have "
-                             f"M={self.key_M}")
-        widest = max(b for _, b in parts)
-        if widest != self.key_nbits:
-            raise ValueError(f"key_parts {parts}: the widest part has {widest} bits, the key codebooks "
-                             f"{self.key_nbits} (K={2 ** self.key_nbits})")
+        parts = check_layout(parts, self.key_M, self.key_nbits)
         c = np.asarray(self.key.centroids)  # [L, G, M, K, dsub]
         m0 = 0
         for n, b in parts:
