@@ -39,7 +39,8 @@ from million_app.calibrate import calibration_kvq, codebook_metadata, load_model
 from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
 from million_app.recipes import Recipe, fit_recipe
-from million_jax.calibration.pair_bits import greedy_allocation, pad_centroids, pair_key_error, pair_query_energy
+from million_jax.calibration.pair_bits import (greedy_allocation, pad_centroids, pair_key_error, pair_query_energy,
+                                               shared_width_allocation)
 from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.quant.pq import Codebooks
 
@@ -104,6 +105,10 @@ def main() -> None:
     start = widths.index(base.key_nbits)
     per_head = np.stack([[greedy_allocation(err[l, h], start) for h in range(H)] for l in range(L)])
     glob = np.broadcast_to(greedy_allocation(err.sum((0, 1)), start), (L, H, P))
+    slot_width, perm = shared_width_allocation(err.reshape(L * H, P, -1), start)
+    shared = np.empty((L * H, P), np.int64)
+    np.put_along_axis(shared, perm, np.broadcast_to(slot_width, (L * H, P)), 1)
+    shared = shared.reshape(L, H, P)
 
     def total(index: np.ndarray) -> float:
         return float(np.take_along_axis(err, index[..., None], -1).sum())
@@ -113,15 +118,19 @@ def main() -> None:
         f"--{k_.replace('_', '-')} {v_}" for k_, v_ in vars(a).items() if v_ != ""),
         "widths": widths, "calib_tokens": used,
         "global_bits": [widths[i] for i in glob[0, 0]],
+        "shared_slot_bits": [widths[i] for i in slot_width],
+        "shared_pair_order": perm.reshape(L, H, P).tolist(),
         "per_head_bits": np.asarray(widths)[per_head].tolist(),
         "score_error_vs_uniform": {"alloc_head": total(per_head) / total(uniform),
-                                   "alloc_global": total(glob) / total(uniform)},
+                                   "alloc_global": total(glob) / total(uniform),
+                                   "alloc_shared": total(shared) / total(uniform)},
         "score_error_share_per_pair": (err[..., start].sum((0, 1)) / err[..., start].sum()).tolist()}
     for w in widths:
         if w != base.key_nbits:
             report["score_error_vs_uniform"][f"uniform_{w}"] = total(np.full((L, H, P), widths.index(w))) / total(uniform)
     os.makedirs(a.out_dir, exist_ok=True)
-    for name, index in (("alloc_head", per_head), ("alloc_global", glob)):
+    np.savez(os.path.join(a.out_dir, "pair_errors.npz"), err=err, widths=np.asarray(widths))
+    for name, index in (("alloc_head", per_head), ("alloc_global", glob), ("alloc_shared", shared)):
         books = padded_books(base, centroids, index)
         save_model_codebooks(os.path.join(a.out_dir, f"{name}.safetensors"), books, codebook_metadata(
             model, books, calib_text=a.calib, calib_tokens=used, calib_windows=[512], seed=a.seed,

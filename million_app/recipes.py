@@ -28,6 +28,9 @@ A recipe is what ``million-jax calibrate --bits B`` fits without the user choosi
                               the model gives each pair a width at the mean of key_nbits, by the
                               query-weighted key error (:mod:`million_jax.calibration.pair_bits`); the
                               cache stores each pair's codes at its width (same bits per element)
+    pair_order                with pair_widths: one width per key sub-space for the model, and each
+                              (layer, KV head) puts its own RoPE pairs into those sub-spaces
+                              (``PQCodebooks.key_pair_order``; codebooks per KV head)
 
 Stored bits per element (keys and values together) = stages * (key_nbits / key_dsub +
 value_nbits / value_dsub) / 2. ``BEST_FOR_BITS`` holds, per budget, the recipe that measured
@@ -92,6 +95,7 @@ class Recipe:
     norms: bool = False
     unit: bool = False
     pair_widths: tuple[int, int] | None = None
+    pair_order: bool = False
 
     def __post_init__(self) -> None:
         def fail(what: str) -> None:
@@ -101,7 +105,7 @@ class Recipe:
             fail(f"name must be a non-empty string, got {self.name!r}")
         if self.rope not in ("pre", "post"):
             fail(f"rope must be 'pre' or 'post', got {self.rope!r}")
-        for field in ("norms", "unit"):
+        for field in ("norms", "unit", "pair_order"):
             if not isinstance(getattr(self, field), bool):
                 fail(f"{field} must be a bool, got {getattr(self, field)!r}")
         if self.unit and not self.norms:
@@ -126,6 +130,8 @@ class Recipe:
             if self.rope != "pre" or self.key_dsub != 2 or self.stages != 1 or self.query_aware or self.finetune_steps:
                 fail("pair_widths needs keys before RoPE in 2-dim sub-spaces, one stage, no query-aware keys "
                      "and no fine-tuning")
+        if self.pair_order and self.pair_widths is None:
+            fail("pair_order orders each KV head's pairs into the widths of pair_widths: give pair_widths too")
 
     @property
     def finetune(self) -> FinetuneSettings | None:
@@ -164,7 +170,7 @@ class Recipe:
             text += ", codes of the unit vectors"
         if self.pair_widths is not None:
             text += (f"; key bits allocated across RoPE pairs ({self.pair_widths[0]}..{self.pair_widths[1]} bits, "
-                     f"mean {self.key_nbits})")
+                     f"mean {self.key_nbits}{', each KV head ordering its pairs' if self.pair_order else ''})")
         return f"{text} ({self.bits_per_element:.2f} bits/elem{' of codes' if self.norms else ''})"
 
     def budgets(self, head_dim: int) -> dict[str, int]:
@@ -228,6 +234,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     # pq4-pre-nu with the keys' 8 bits per pair allocated across the RoPE pairs (6..10 bits, one
     # layout for the model, same 4.25 b/elem): `calibrate --bits 4` since 2026-12-07 (BEST_FOR_BITS)
     Recipe("pq4-pre-nu-pa", 2, 8, 2, 8, rope="pre", norms=True, unit=True, pair_widths=(6, 10)),
+    # the same, with one width per key sub-space and each (layer, KV head) putting its own pairs into
+    # them (PQCodebooks.key_pair_order): the per-head freedom at the cost of a frequency per head
+    Recipe("pq4-pre-nu-po", 2, 8, 2, 8, rope="pre", norms=True, unit=True, pair_widths=(6, 10), pair_order=True),
 )}
 
 # key_rope -> bits per element -> recipe name, the measured best per budget (module docstring,
@@ -379,10 +388,13 @@ def _allocate_pair_bits(recipe: Recipe, books: PQCodebooks, k: np.ndarray, q_gra
                                                  key=jax.random.fold_in(jax.random.PRNGKey(seed), 1000 + w),
                                                  max_vectors=max_vectors, iters=iters, progress=step)
     pick = np.sort(np.random.default_rng(seed).choice(k.shape[2], min(PAIR_ERROR_SAMPLE, k.shape[2]), replace=False))
-    out, summary = allocate_key_bits(books, by_width, k[:, :, pick], q_gram, q_count)
+    if recipe.pair_order and granularity != "layer_head":
+        raise UsageError(f"recipe {recipe.name}: a pair order per KV head needs codebooks per KV head "
+                         f"(granularity layer_head, got {granularity})")
+    out, summary = allocate_key_bits(books, by_width, k[:, :, pick], q_gram, q_count, per_head_order=recipe.pair_order)
     if report_to is not None:
-        report_to.update(key_bits_per_pair=summary["key_bits_per_pair"],
-                         pair_score_error_vs_uniform=summary["score_error_vs_uniform"])
+        widths = "key_bits_per_subspace" if recipe.pair_order else "key_bits_per_pair"
+        report_to.update({widths: summary[widths], "pair_score_error_vs_uniform": summary["score_error_vs_uniform"]})
     return out
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["RopeScaling", "ROPE_SCALING_KINDS", "rope_inv_freq", "rope_cos_sin", "rotate", "unrotate",
-           "rotate_pair_layout", "to_pair_layout", "from_pair_layout", "subspace_freqs"]
+           "rotate_pair_layout", "to_pair_layout", "from_pair_layout", "subspace_freqs", "order_pairs"]
 
 ROPE_SCALING_KINDS = ("llama3", "linear", "freq_factors")
 
@@ -151,3 +151,20 @@ def subspace_freqs(inv_freq, pairs: int = 1) -> np.ndarray:
     inv = np.asarray(inv_freq, np.float32)
     p = _pairs_per_subspace(2 * inv.shape[-1], pairs)
     return np.ascontiguousarray(inv.reshape(p, inv.shape[-1] // p).T)
+
+
+def order_pairs(x, order):
+    """x float[..., H, d] in pair layout (one pair per sub-space: pair m at dims 2m, 2m + 1) with
+    each head's pairs put in its own order: out[..., h, 2s:2s + 2] = x[..., h, 2 order[g, s]:...],
+    g = h // (H / G). order: int[G, d/2], G dividing H (KV heads, or 1 for every head). numpy in,
+    numpy out (calibration samples); else jnp."""
+    xp = _xp(x)
+    *lead, h, d = x.shape
+    g = order.shape[0]
+    if order.ndim != 2 or order.shape[1] != d // 2 or h % g:
+        raise ValueError(f"order must be int[G, d/2 = {d // 2}] with G dividing the {h} heads, got shape "
+                         f"{tuple(order.shape)}")
+    idx = xp.repeat(xp.asarray(order), h // g, axis=0)  # [H, P]
+    pairs = x.reshape(tuple(lead) + (h, d // 2, 2))
+    idx = xp.broadcast_to(idx[..., None], tuple(lead) + (h, d // 2, 2))
+    return xp.take_along_axis(pairs, idx, axis=-2).reshape(x.shape)

@@ -176,6 +176,7 @@ LEAF_AXES: dict[str, LogicalAxes | dict[int, LogicalAxes]] = {
         4: ("layers", "subspace", "centroid", "subdim"),
         3: ("subspace", "centroid", "subdim"),
     },
+    "key_pair_order": ("layers", "kv_heads", "subspace"),  # [L, G, M]: the RoPE pair of each key sub-space
 }
 
 

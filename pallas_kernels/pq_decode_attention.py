@@ -94,7 +94,8 @@ def pq_decode_attention(
         (MILLION's LUT sum; see `pq_kernel`'s docstring).
       precision: "bf16" (bf16 dot operands, fp32 accumulation; default) or "fp32".
       interpret: run the kernel in Pallas interpret mode (CPU, tests).
-      rope_inv_freq: float32[M] or [M, P], or None (default: keys quantized after RoPE). Keys
+      rope_inv_freq: float32[M] or [M, P] (per KV head: [G, M, P], G in {1, Hkv}), or None (default:
+        keys quantized after RoPE). Keys
         quantized before RoPE: key sub-space m is P = dsub / 2 whole RoPE pairs (head dims in
         pair layout, `million_jax.rope.to_pair_layout`; q rotated at its own position already),
         code row t is the key of position t, pair p of sub-space m rotated here by
@@ -118,7 +119,7 @@ def pq_decode_attention(
                           num_stages=num_stages, key_path=key_path, precision=precision,
                           rope=rope_inv_freq is not None)
     if rope_inv_freq is not None:
-        check_rope_inv_freq(rope_inv_freq, dims.num_subspaces, dims.sub_dim)
+        check_rope_inv_freq(rope_inv_freq, dims.num_subspaces, dims.sub_dim, dims.num_kv_heads)
     return pq_decode_attention_planned(plan, q, k_codes, v_codes, k_codebooks, v_codebooks, start, end,
                                        scale=scale, interpret=interpret, rope_inv_freq=rope_inv_freq,
                                        k_scales=k_scales, v_scales=v_scales)
@@ -207,10 +208,11 @@ def pq_decode_attention_planned(
     codes_spec = lambda c: pl.BlockSpec((None, None, t_len, c.shape[-1]), lambda b, h, s: (b, h, 0, 0))  # noqa: E731
     full_b = pl.BlockSpec((batch,), lambda b, h, s: (0,))
     extra_in, extra_specs = [], []
-    if rope:  # uint32[2, P, M]: (hi, lo) turns of pair p of each sub-space
-        freqs = pair_freqs(rope_inv_freq).reshape(n_sub, pairs)
-        extra_in.append(jnp.stack([x.T for x in rope_turns(freqs)]))
-        extra_specs.append(pl.BlockSpec((2, pairs, n_sub), lambda b, h, s: (0, 0, 0)))
+    if rope:  # uint32[G, 2, P, M]: (hi, lo) turns of pair p of each sub-space (G = 1: every KV head's)
+        freqs = pair_freqs(rope_inv_freq).reshape(-1, n_sub, pairs)
+        extra_in.append(jnp.stack([jnp.swapaxes(x, -1, -2) for x in rope_turns(freqs)], axis=1))
+        head = (lambda h: h) if freqs.shape[0] > 1 else (lambda h: 0)
+        extra_specs.append(pl.BlockSpec((None, 2, pairs, n_sub), lambda b, h, s: (head(h), 0, 0, 0)))
     for x in (k_scales, v_scales):  # [B, Hkv, T] -> one row [T] per program
         if x is not None:
             extra_in.append(x)

@@ -10,7 +10,8 @@ one codebook per KV head, or ``G = 1`` shared) that broadcast against the codes'
 
 Keys quantized *before* RoPE (pre-RoPE codebooks; each sub-space is P whole RoPE pairs,
 dsub = 2P, the caller's head dims permuted so each pair is adjacent; frequencies float32[M] for
-P = 1 or [M, P], pair p of sub-space m). Stored code row t is the key of absolute position t;
+P = 1 or [M, P], pair p of sub-space m, or [G, M, P] with G in {1, Hkv}: a frequency per KV head,
+for codebooks whose heads order their pairs each their own way). Stored code row t is the key of absolute position t;
 each of its pairs is rotated by the angle t * inv_freq of that pair in rotate-half convention,
 R(a) c = cos(a) c + sin(a) J c with J (c1, c2) = (-c2, c1). For a query q (rotated at its own
 position already): q_i . R(a) c_i = cos(a) (q_i . c_i) + sin(a) (q_i . J c_i) for each pair i,
@@ -23,7 +24,8 @@ i.e. two tables over the M * P pairs (a sub-space's code picks the entry of each
     rope_turns         inv_freq -> turns per position as 64-bit fixed point (hi, lo uint32)
     rope_phase         position -> angle mod 2 pi as uint32 turns, exact integer arithmetic
     phase_cos_sin      uint32 turns -> (cos, sin) in float32
-    rope_cos_sin       positions, inv_freq -> (cos, sin) float32[..., M] (the three above)
+    turn_cos_sin       positions, turns -> (cos, sin) float32[(G,) ..., M] (the two above)
+    rope_cos_sin       positions, inv_freq -> (cos, sin) float32[(G,) ..., M] (the three above)
 
 Why fixed-point turns: the naive float32 ``t * inv_freq`` is off by up to half an ulp of the
 angle (4e-3 rad at t = 128K), far above what attention in float32 tolerates. Here the
@@ -48,7 +50,7 @@ import numpy as np
 from jax import lax
 
 __all__ = ["gather_centroids", "build_lut", "lut_scores", "quarter_turn", "rope_lut_scores", "rotate_pairs",
-           "rope_turns", "rope_phase", "phase_cos_sin", "rope_cos_sin", "check_rope_inv_freq", "pair_subspaces",
+           "rope_turns", "rope_phase", "phase_cos_sin", "turn_cos_sin", "rope_cos_sin", "check_rope_inv_freq", "pair_subspaces",
            "pair_freqs"]
 
 
@@ -117,8 +119,10 @@ def pair_subspaces(centroids: jax.Array) -> jax.Array:
 
 
 def pair_freqs(rope_inv_freq: jax.Array) -> jax.Array:
-    """float32[M] or [M, P] (pair p of sub-space m) -> float32[M * P], pairs in layout order."""
-    return jnp.reshape(jnp.asarray(rope_inv_freq, jnp.float32), (-1,))
+    """float32[M] or [M, P] (pair p of sub-space m) -> float32[M * P], pairs in layout order;
+    per KV head float32[G, M, P] -> float32[G, M * P]."""
+    f = jnp.asarray(rope_inv_freq, jnp.float32)
+    return jnp.reshape(f, (f.shape[0], -1) if f.ndim == 3 else (-1,))
 
 
 def quarter_turn(centroids: jax.Array) -> jax.Array:
@@ -134,8 +138,9 @@ def rope_lut_scores(lut: jax.Array, lut_j: jax.Array, codes: jax.Array, cos: jax
 
     lut, lut_j: f32[B, Hkv, R, M * P, K], one row per RoPE pair (q.c and q.Jc: `build_lut` with
     `pair_subspaces` of the centroids and with `quarter_turn` of those); codes: int[B, Hkv, N, M]
-    (pair i read by code i // P); cos, sin: f32[N, M * P] or [B, N, M * P] (the rotation of each
-    pair of key row n). Returns f32[B, Hkv, R, N] (= q . R(angles_n) c_n).
+    (pair i read by code i // P); cos, sin: f32[N, M * P], per KV head [G, N, M * P] (G in {1, Hkv})
+    or [B, Hkv, N, M * P] (the rotation of each pair of key row n). Returns f32[B, Hkv, R, N]
+    (= q . R(angles_n) c_n).
     """
     pairs = lut.shape[-2] // codes.shape[-1]
     if pairs * codes.shape[-1] != lut.shape[-2]:
@@ -145,10 +150,8 @@ def rope_lut_scores(lut: jax.Array, lut_j: jax.Array, codes: jax.Array, cos: jax
     idx = jnp.swapaxes(codes.astype(jnp.int32), -1, -2)[:, :, None]  # [B, Hkv, 1, M * P, N]
     idx = jnp.broadcast_to(idx, lut.shape[:3] + idx.shape[3:])
     pick = lambda t: jnp.take_along_axis(t, idx, axis=-1, mode="clip")  # noqa: E731  [B, Hkv, R, M, N]
-    cs = jnp.swapaxes(cos, -1, -2)  # [(B,) M, N]
-    sn = jnp.swapaxes(sin, -1, -2)
-    if cs.ndim == 3:
-        cs, sn = cs[:, None, None], sn[:, None, None]
+    cs = jnp.swapaxes(cos, -1, -2)[..., None, :, :]  # [(B, G,) 1, M * P, N]: R broadcast
+    sn = jnp.swapaxes(sin, -1, -2)[..., None, :, :]
     return jnp.sum(cs * pick(lut) + sn * pick(lut_j), axis=-2)
 
 
@@ -160,26 +163,32 @@ def rotate_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
 
 
-def check_rope_inv_freq(rope_inv_freq, num_subspaces: int, sub_dim: int) -> None:
+def check_rope_inv_freq(rope_inv_freq, num_subspaces: int, sub_dim: int, num_kv_heads: int | None = None) -> None:
     """ValueError unless ``rope_inv_freq`` fits a key codebook of M sub-spaces of P = dsub / 2 whole
-    RoPE pairs: float[M] (P = 1) or float[M, P]."""
+    RoPE pairs: float[M] (P = 1) or float[M, P], or per KV head float[G, M, P] with G = 1 or
+    ``num_kv_heads`` (any G when it is None)."""
     if sub_dim % 2:
         raise ValueError(f"rope_inv_freq (keys quantized before RoPE) needs key sub-spaces of whole RoPE pairs "
                          f"(even dsub), got dsub {sub_dim}")
     pairs = sub_dim // 2
     shape = tuple(getattr(rope_inv_freq, "shape", ()))
     dtype = getattr(rope_inv_freq, "dtype", None)
-    fits = shape == (num_subspaces, pairs) or (pairs == 1 and shape == (num_subspaces,))
+    per_head = len(shape) == 3 and shape[1:] == (num_subspaces, pairs) and (
+        num_kv_heads is None or shape[0] in (1, num_kv_heads))
+    fits = per_head or shape == (num_subspaces, pairs) or (pairs == 1 and shape == (num_subspaces,))
     if not fits or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         want = f"float32[M={num_subspaces}]" if pairs == 1 else f"float32[M={num_subspaces}, P={pairs}]"
-        raise ValueError(f"rope_inv_freq must be {want} (a frequency per RoPE pair of each key sub-space), "
-                         f"got {dtype}{list(shape)}")
+        heads = "G" if num_kv_heads is None else f"G=1 or Hkv={num_kv_heads}"
+        raise ValueError(f"rope_inv_freq must be {want} or, per KV head, float32[{heads}, M={num_subspaces}, "
+                         f"P={pairs}] (a frequency per RoPE pair of each key sub-space), got {dtype}{list(shape)}")
     if not isinstance(rope_inv_freq, jax.core.Tracer):  # concrete: the values can be checked too
         vals = np.asarray(rope_inv_freq, np.float64).reshape(-1)
         if not (np.isfinite(vals).all() and (vals > 0).all()):
-            bad = int(np.flatnonzero(~(np.isfinite(vals) & (vals > 0)))[0])
-            where = f"sub-space {bad}" if pairs == 1 else f"sub-space {bad // pairs}, pair {bad % pairs}"
-            raise ValueError(f"rope_inv_freq must be finite and > 0 (RoPE inverse frequencies), got {float(vals[bad]):.6g} "
+            first = int(np.flatnonzero(~(np.isfinite(vals) & (vals > 0)))[0])
+            head, bad = divmod(first, num_subspaces * pairs)
+            where = (f"KV head {head}, " if len(shape) == 3 else "") + (
+                f"sub-space {bad}" if pairs == 1 else f"sub-space {bad // pairs}, pair {bad % pairs}")
+            raise ValueError(f"rope_inv_freq must be finite and > 0 (RoPE inverse frequencies), got {float(vals[first]):.6g} "
                              f"at {where}")
 
 
@@ -273,8 +282,18 @@ def phase_cos_sin(phase: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.cos(angle), jnp.sin(angle)
 
 
+def turn_cos_sin(positions: jax.Array, turns_hi: jax.Array, turns_lo: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions int[...] (>= 0), turns uint32[M] or [G, M] (`rope_turns`) -> (cos, sin)
+    float32[..., M] or [G, ..., M] of the angles positions * inv_freq."""
+    pos = jnp.asarray(positions)
+    lead = turns_hi.ndim - 1  # group axes of the turns go first
+    pos = pos.reshape((1,) * lead + pos.shape + (1,))
+    fit = lambda x: x.reshape(x.shape[:-1] + (1,) * (pos.ndim - lead - 1) + x.shape[-1:])  # noqa: E731
+    return phase_cos_sin(rope_phase(pos, fit(turns_hi), fit(turns_lo)))
+
+
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """positions int[...] (>= 0), inv_freq float32[M] -> (cos, sin) float32[..., M] of the
-    angles positions * inv_freq, computed without float rounding of the angle (module docstring)."""
-    hi, lo = rope_turns(inv_freq)
-    return phase_cos_sin(rope_phase(jnp.asarray(positions)[..., None], hi, lo))
+    """positions int[...] (>= 0), inv_freq float32[M] (or [G, M]) -> (cos, sin) float32[..., M]
+    (or [G, ..., M]) of the angles positions * inv_freq, computed without float rounding of the
+    angle (module docstring)."""
+    return turn_cos_sin(positions, *rope_turns(inv_freq))

@@ -81,7 +81,7 @@ def pq_kernel_unsupported_reason(
         dims = check_pq_inputs(q, k_codes, v_codes, k_codebooks, v_codebooks, start, end)
         plan_pq_kernel(dims, k_codes, v_codes, rope=rope_inv_freq is not None, **launch)
         if rope_inv_freq is not None:
-            check_rope_inv_freq(rope_inv_freq, dims.num_subspaces, dims.sub_dim)
+            check_rope_inv_freq(rope_inv_freq, dims.num_subspaces, dims.sub_dim, dims.num_kv_heads)
     except ValueError as e:
         return str(e)
     return None

@@ -69,7 +69,7 @@ def pq_decode_attention_reference(
         lut = build_lut(q_grouped, k_codebooks)  # [B, Hkv, group, M, Kk]
         scores = scale * lut_scores(lut, k_codes)  # [B, Hkv, group, T]
     else:
-        check_rope_inv_freq(rope_inv_freq, dims.num_subspaces, dims.sub_dim)
+        check_rope_inv_freq(rope_inv_freq, dims.num_subspaces, dims.sub_dim, dims.num_kv_heads)
         pairs = pair_subspaces(k_codebooks)  # [G, M * P, Kk, 2]: one table row per RoPE pair
         lut = build_lut(q_grouped, pairs)
         lut_j = build_lut(q_grouped, quarter_turn(pairs))

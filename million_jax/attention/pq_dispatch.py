@@ -124,8 +124,9 @@ def _kernel(plan: KernelPlan, q, k_codes, v_codes, k_books, v_books, lo, hi, mes
             v_scales: jax.Array | None = None):
     """(out f32[B, H, d], lse f32[B, H]) of the planned kernel, per shard when ``mesh`` is given.
 
-    rope_inv_freq (pre-RoPE keys) is per key sub-space, so every shard gets all of it; the
-    per-token scales [B, Hkv, N] are split like the codes."""
+    rope_inv_freq (pre-RoPE keys) is per key sub-space, so every shard gets all of it, or per KV
+    head ([Hkv, M, P], split like the codebooks); the per-token scales [B, Hkv, N] are split like
+    the codes."""
     base = functools.partial(pq_decode_attention_planned, plan, interpret=not _on_gpu(), scale=scale)
     extras = {name: x for name, x in (("rope_inv_freq", rope_inv_freq), ("k_scales", k_scales),
                                       ("v_scales", v_scales)) if x is not None}
@@ -138,7 +139,8 @@ def _kernel(plan: KernelPlan, q, k_codes, v_codes, k_books, v_books, lo, hi, mes
     if mesh is None:
         return run(*args)
     b, h = mesh.batch_axes, mesh.kv_axes
-    extra_specs = tuple(_spec() if n == "rope_inv_freq" else _spec(b, h) for n in names)
+    per_head = rope_inv_freq is not None and rope_inv_freq.ndim == 3 and rope_inv_freq.shape[0] > 1
+    extra_specs = tuple((_spec(h) if per_head else _spec()) if n == "rope_inv_freq" else _spec(b, h) for n in names)
     sharded = jax.shard_map(
         run,
         mesh=mesh.mesh,
@@ -176,8 +178,9 @@ def pq_code_attention(
     ``check_codes=False`` skips that check for callers that made it once (the PQ cache, in
     ``layer_consts``).
     scale: score scale (default 1 / sqrt(d)).
-    rope_inv_freq: float32[M] or [M, P], or None: keys quantized before RoPE (sub-space m = P whole
-      RoPE pairs, code row s = absolute position s; :func:`million_jax.attention.pq_xla.pq_attention_xla`).
+    rope_inv_freq: float32[M] or [M, P] (per KV head [G, M, P]), or None: keys quantized before RoPE
+      (sub-space m = P whole RoPE pairs, code row s = absolute position s;
+      :func:`million_jax.attention.pq_xla.pq_attention_xla`).
     k_scales, v_scales: float[B, Hkv, N, 1] (arrays or LayerSlices) or None: per-token factors of
       each stored key's score / value (norm-explicit PQ); the kernel takes them as its per-token scales.
     k_parts: key codes of several widths in this layout (``PQCodebooks.key_parts``), or None.

@@ -19,7 +19,8 @@ Shapes (one layer):
     v_codes:      alike with Mv (keys and values may have different M and nbits)
     k_centroids:  float[G, Mk, Kk, d / Mk], G in {1, Hkv}   (v_centroids: [G, Mv, Kv, d / Mv])
     lo, hi:       int32[B, T]   query t of sequence b sees tokens lo <= s < hi
-    rope_inv_freq: float32[Mk] or [Mk, P], or None. None: keys quantized after RoPE (MILLION).
+    rope_inv_freq: float32[Mk] or [Mk, P] (or per KV head [G, Mk, P], G in {1, Hkv}: heads whose
+                  sub-spaces hold their pairs in their own order), or None. None: keys quantized after RoPE (MILLION).
                   Else the keys were quantized before RoPE, key sub-space m is P whole RoPE
                   pairs (dsub = 2P, pair layout, :func:`million_jax.rope.to_pair_layout`) and
                   stored row s is the key of absolute position s: pair p of its sub-space m is
@@ -48,12 +49,11 @@ from pallas_kernels.pq_math import (
     lut_scores,
     pair_freqs,
     pair_subspaces,
-    phase_cos_sin,
     quarter_turn,
     rope_lut_scores,
-    rope_phase,
     rope_turns,
     rotate_pairs,
+    turn_cos_sin,
 )
 from pallas_kernels.softmax import einsum_f32, group_heads
 
@@ -128,7 +128,7 @@ def pq_attention_xla(
     if rope_inv_freq is None:
         lut = build_lut(rows_q, k_centroids) if use_lut else None
     else:
-        check_rope_inv_freq(rope_inv_freq, k_centroids.shape[1], k_centroids.shape[3])
+        check_rope_inv_freq(rope_inv_freq, k_centroids.shape[1], k_centroids.shape[3], hkv)
         turns = rope_turns(pair_freqs(rope_inv_freq))  # once per call; each tile's angles from its positions
         pairs = pair_subspaces(k_centroids)  # [G, Mk * P, Kk, 2]: one table row per RoPE pair
         lut = build_lut(rows_q, pairs) if use_lut else None
@@ -140,7 +140,7 @@ def pq_attention_xla(
                 return lut_scores(lut, kc_tile).reshape(b, hkv, grp, t, -1)
             return einsum_f32("bkgtd,bksd->bkgts", qg, gather_centroids(k_centroids, kc_tile))
         pos = start + jnp.arange(rows, dtype=jnp.int32)
-        cos, sin = phase_cos_sin(rope_phase(pos[:, None], *turns))  # [rows, Mk * P]
+        cos, sin = turn_cos_sin(pos, *turns)  # [(G,) rows, Mk * P]
         if use_lut:
             return rope_lut_scores(lut, lut_j, kc_tile, cos, sin).reshape(b, hkv, grp, t, -1)
         keys = rotate_pairs(gather_centroids(k_centroids, kc_tile), cos, sin)

@@ -145,13 +145,17 @@ class PQLayer(ExactWindowLayer):
         # Tokens that would land past T_max are dropped everywhere (codes, ring, sinks).
         n_new = kept_tokens(lengths, n_new, t_max)
         pos, rows = token_rows(lengths, n_new, t, t_max)
-        freqs = consts.key_subspace_freqs()  # None, or pre-RoPE keys: float32[S * M, P], P pairs per sub-space
+        # None, or pre-RoPE keys: float32[S * M, P], P pairs per sub-space (per head group [G, M, 1])
+        freqs = consts.key_subspace_freqs()
         k_enc, qc = k, q
         if freqs is not None:  # encode the keys rotated back to position 0, in RoPE-pair layout
             cos, sin = rope.rope_cos_sin(pos, consts.rope_inv_freq)  # [B, T, d/2]
             pairs = consts.key_rope_pairs
             k_enc = rope.to_pair_layout(rope.unrotate(k, cos[:, :, None], sin[:, :, None]), pairs)
             qc = rope.to_pair_layout(q, pairs)
+            if consts.key_pair_order is not None:  # each head's pairs in its sub-spaces' order
+                k_enc = rope.order_pairs(k_enc, consts.key_pair_order)
+                qc = rope.order_pairs(qc, consts.key_pair_order)
         new_kc = _encode(consts.key, unit_vectors(k_enc) if consts.unit_codes and consts.key_norms else k_enc,
                          consts.key_transform, stages, consts.key_parts)  # [B, Hkv, T, Mk]
         new_vc = _encode(consts.value, unit_vectors(v) if consts.unit_codes and consts.value_norms else v,
@@ -177,8 +181,9 @@ class PQLayer(ExactWindowLayer):
             new_v = new_v * jnp.swapaxes(vs, 1, 2).astype(jnp.float32)
             scale_writes["v_scales"] = (rows, vs)
         if freqs is not None:  # the new tokens' decoded keys turned to their own positions,
-            cos, sin = code_rope_cos_sin(pos, pair_freqs(freqs))  # [B, T, S * M * P], the code paths' angles
-            new_k = rope.rotate_pair_layout(new_k, cos[:, None], sin[:, None])
+            cos, sin = code_rope_cos_sin(pos, pair_freqs(freqs))  # [B, T, S * M * P] (or [G, B, T, M]),
+            cos, sin = ((jnp.moveaxis(x, 0, 1) if freqs.ndim == 3 else x[:, None]) for x in (cos, sin))
+            new_k = rope.rotate_pair_layout(new_k, cos, sin)  # the code paths' angles
         fresh = tiled_dense_attention(qc, new_k, new_v,
                                       jnp.maximum(lo - lengths[:, None], 0), jnp.clip(hi - lengths[:, None], 0, t),
                                       scale=scale, return_lse=True)

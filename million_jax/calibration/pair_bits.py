@@ -28,7 +28,8 @@ from million_jax.quant.kv_codebooks import PQCodebooks, unit_vectors
 from million_jax.quant.pq import Codebooks, decode, encode
 from pallas_kernels.code_packing import Parts
 
-__all__ = ["pair_query_energy", "pair_key_error", "greedy_allocation", "runs", "pad_centroids", "allocate_key_bits"]
+__all__ = ["pair_query_energy", "pair_key_error", "greedy_allocation", "shared_width_allocation", "runs",
+           "pad_centroids", "allocate_key_bits"]
 
 
 def pair_query_energy(q_gram: np.ndarray, q_count: np.ndarray) -> np.ndarray:
@@ -88,6 +89,41 @@ def greedy_allocation(err: np.ndarray, start: int) -> np.ndarray:
         a[j] -= 1
 
 
+def shared_width_allocation(err: np.ndarray, start: int, rounds: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    """One width per slot for every group, each group free to order its pairs into the slots.
+
+    err: float[G, P, W] (G groups, e.g. layer x KV head; W consecutive widths), start: the width
+    index of the mean. Returns (slot width indices int[P], ascending; perm int[G, P]: slot s of
+    group g codes pair ``perm[g, s]``). Alternates a greedy allocation over the slots (their errors
+    summed over the groups) with each group's optimal assignment of its pairs to those slots, from
+    two starts (the natural pair order, i.e. one allocation per pair for every group, and each
+    group's pairs sorted by their error at ``start``), and keeps the best total: never worse than
+    one width per pair for the model."""
+    from scipy.optimize import linear_sum_assignment
+
+    err = np.asarray(err, np.float64)
+    G, P, W = err.shape
+    best = (np.inf, None, None)
+    for perm in (np.broadcast_to(np.arange(P), (G, P)), np.argsort(err[:, :, start], axis=1, kind="stable")):
+        last = np.inf
+        for _ in range(rounds):
+            slots = np.take_along_axis(err, perm[..., None], 1).sum(0)  # [P, W]
+            width = greedy_allocation(slots, start)
+            order = np.argsort(width, kind="stable")
+            width, perm = width[order], perm[:, order]
+            new = np.empty((G, P), np.int64)
+            for g in range(G):
+                pairs, slot = linear_sum_assignment(err[g][:, width])
+                new[g, slot] = pairs
+            total = float(err[np.arange(G)[:, None], new, width[None, :]].sum())
+            if total < best[0]:
+                best = (total, width.copy(), new.copy())
+            if total >= last * (1 - 1e-12):
+                break
+            last, perm = total, new
+    return best[1], best[2]
+
+
 def runs(widths) -> Parts:
     """The code layout ((count, bits), ...) of per-sub-space widths int[M]: runs of equal widths."""
     out: list[list[int]] = []
@@ -119,18 +155,26 @@ def pad_centroids(by_width: Mapping[int, np.ndarray], widths) -> np.ndarray:
 
 
 def allocate_key_bits(books: PQCodebooks, by_width: Mapping[int, np.ndarray], keys: np.ndarray,
-                      q_gram: np.ndarray, q_count: np.ndarray) -> tuple[PQCodebooks, dict]:
+                      q_gram: np.ndarray, q_count: np.ndarray, *, per_head_order: bool = False
+                      ) -> tuple[PQCodebooks, dict]:
     """``books`` (pre-RoPE keys, one RoPE pair per key sub-space, one stage) with key codes of mixed
-    widths, allocated once for the model at the mean of ``books.key_nbits``.
+    widths at the mean of ``books.key_nbits``: one width per RoPE pair for the whole model, or, with
+    ``per_head_order``, one width per key sub-space for the model and each (layer, KV head) putting
+    its own pairs into those sub-spaces (:func:`shared_width_allocation`; ``key_pair_order``; needs
+    codebooks per KV head).
 
     by_width: bits -> key centroids float[L, G, d/2, 2**bits, 2] fitted on the same keys (consecutive
     widths around ``books.key_nbits``; its own width is taken from ``books``); keys: pre-RoPE
     calibration keys float[L, Hkv, N, d] (a sample is enough); q_gram / q_count the query second
-    moments. Returns (codebooks with ``key_parts``, a report: widths per pair, the weighted error of
-    the allocation and of each uniform width relative to ``books``)."""
+    moments. Returns (codebooks with ``key_parts``, a report: widths per pair (per sub-space with
+    ``per_head_order``), the weighted error of the allocation and of each uniform width relative to
+    ``books``)."""
     if books.key_rope != "pre" or books.key_rope_pairs != 1 or books.stages != 1:
         raise ValueError(f"per-pair key bits need pre-RoPE keys with one RoPE pair per sub-space and one stage, "
                          f"got {books.recipe}")
+    if per_head_order and books.key.centroids.shape[1] != keys.shape[1]:
+        raise ValueError(f"a pair order per KV head needs key codebooks per KV head (granularity layer_head), "
+                         f"these have {books.key.centroids.shape[1]} group(s) for {keys.shape[1]} KV heads")
     by_width = {int(w): np.asarray(c, np.float32) for w, c in by_width.items()}
     by_width[books.key_nbits] = np.asarray(books.key.centroids, np.float32)
     widths = sorted(by_width)
@@ -141,15 +185,28 @@ def allocate_key_bits(books: PQCodebooks, by_width: Mapping[int, np.ndarray], ke
                     for w in widths], axis=-1)  # [L, H, P, W]
     total = err.sum((0, 1))  # [P, W]
     start = widths.index(books.key_nbits)
+    base = float(total[:, start].sum())
+    uniform = {f"uniform_{w}": float(total[:, j].sum()) / base for j, w in enumerate(widths)}
+    if per_head_order:
+        L, H, P, W = err.shape
+        slot, perm = shared_width_allocation(err.reshape(L * H, P, W), start)
+        perm = perm.reshape(L, H, P)
+        bits = [widths[i] for i in slot]
+        pair_bits = np.empty((L, H, P), np.int64)  # the width of each (layer, head, pair) in natural order
+        np.put_along_axis(pair_bits, perm, np.broadcast_to(np.asarray(bits), (L, H, P)), axis=-1)
+        cents = np.take_along_axis(pad_centroids(by_width, pair_bits), perm[..., None, None], axis=2)
+        out = dataclasses.replace(books, key=Codebooks(cents)).with_key_pair_order(perm).with_key_parts(runs(bits))
+        spent = float(err[np.arange(L)[:, None, None], np.arange(H)[None, :, None], perm, np.asarray(slot)].sum())
+        report = {"key_bits_per_subspace": bits, "key_parts": [list(p) for p in runs(bits)],
+                  "score_error_vs_uniform": {"allocation": spent / base, **uniform}}
+        return out, report
     pick = greedy_allocation(total, start)
     bits = [widths[i] for i in pick]
     parts = runs(bits)
     cents = pad_centroids(by_width, bits)
     out = dataclasses.replace(books, key=Codebooks(cents)).with_key_parts(parts)
-    base = float(total[:, start].sum())
     report = {"key_bits_per_pair": bits, "key_parts": [list(p) for p in parts],
               "score_error_vs_uniform": {"allocation": float(total[np.arange(len(pick)), pick].sum()) / base,
-                                         **{f"uniform_{w}": float(total[:, j].sum()) / base
-                                            for j, w in enumerate(widths)}},
+                                         **uniform},
               "score_error_share_per_pair": (total[:, start] / base).tolist()}
     return out, report

@@ -8,7 +8,8 @@ the optional key / value transforms float32[L, Gt, d, d] as extra tensors ``key_
 and their RoPE frequencies as the extra tensor ``rope_inv_freq`` float32[d/2]; ``"post"`` when
 absent; norm-explicit codebooks record ``key_norms`` / ``value_norms`` / ``unit_codes`` true,
 false when absent; key codes of several widths record ``key_parts`` as [[count, bits], ...], absent
-or null for one width).
+or null for one width; key sub-spaces in a per-head order of RoPE pairs store it as the extra
+tensor ``key_pair_order`` [L, G, M], whole numbers in float32 like every extra).
 
 File layout: one tensor per named codebook set (e.g. ``"key"`` and ``"value"``),
 each float32[*G, M, K, dsub]; the safetensors header metadata holds one entry
@@ -187,7 +188,7 @@ def load_codebook_file(
     return out, extras, user
 
 
-_KV_EXTRAS = ("key_transform", "value_transform", "rope_inv_freq")
+_KV_EXTRAS = ("key_transform", "value_transform", "rope_inv_freq", "key_pair_order")
 KEY_ROPE = ("post", "pre")
 
 
@@ -245,6 +246,11 @@ def load_kv_codebooks(path: str | os.PathLike, expect: Mapping[str, Any] | None 
                     isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p) for p in parts):
                 raise ValueError(f"key_parts={parts!r} in the metadata ([[count, bits], ...] of ints, or null)")
             books = books.with_key_parts(tuple(tuple(p) for p in parts))
+        if "key_pair_order" in extras:
+            order = extras["key_pair_order"]
+            if not np.array_equal(order, np.round(order)):
+                raise ValueError("the key_pair_order tensor holds non-integer pair indices")
+            books = books.with_key_pair_order(order.astype(np.int32))
     except ValueError as e:
         raise CodebookFileError(f"{os.fspath(path)}: {e}") from None
     return books, meta

@@ -48,6 +48,14 @@ narrower sub-space being copies of its centroid 0 (the encoder's argmin keeps th
 distances, so they are never chosen). The cache stores each part at its own width, so a per-pair
 allocation of key bits (:mod:`million_jax.calibration.pair_bits`) costs its mean width.
 Build them with :meth:`PQCodebooks.with_key_parts`.
+
+``key_pair_order`` (int32[L, G, d/2] or None; pre-RoPE keys, one RoPE pair per sub-space, one
+stage): key sub-space s of head group g in layer l codes RoPE pair ``key_pair_order[l, g, s]``
+(a permutation per row), so that each KV head can give its own pairs the widths of one shared
+``key_parts`` layout (:func:`million_jax.calibration.pair_bits.allocate_key_bits`). The cache puts
+each head's keys and queries in that order (:func:`million_jax.rope.order_pairs`) and attention
+rotates sub-space s by the frequency of its pair (``key_subspace_freqs``, then per KV head).
+Build them with :meth:`PQCodebooks.with_key_pair_order`.
 """
 from __future__ import annotations
 
@@ -118,7 +126,7 @@ def per_layer_centroids(c, granularity: str, num_layers: int | None) -> jax.Arra
 _TRANSFORMS = ("key_transform", "query_transform", "value_transform", "output_transform")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value", *_TRANSFORMS],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value", *_TRANSFORMS, "key_pair_order"],
                    meta_fields=["granularity", "stages", "rope_inv_freq", "key_norms", "value_norms",
                                 "unit_codes", "key_parts"])
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +148,7 @@ class PQCodebooks:
     value_norms: bool = False  # ... and beside the value codes
     unit_codes: bool = False  # static: the sides with norms are encoded as unit vectors
     key_parts: Parts | None = None  # static: key codes of several widths (module docstring)
+    key_pair_order: jax.Array | None = None  # int32[L, G, d/2]: the RoPE pair of each key sub-space
 
     @classmethod
     def from_centroids(cls, key, value, granularity: str = "layer_head", num_layers: int | None = None,
@@ -224,6 +233,27 @@ class PQCodebooks:
             m0 += n
         return dataclasses.replace(self, key_parts=parts)
 
+    def with_key_pair_order(self, order) -> "PQCodebooks":
+        """These codebooks with key sub-space s of head group g in layer l coding RoPE pair
+        ``order[l, g, s]`` (module docstring; None: the natural order). ``order``: int[L, G, d/2],
+        G the key codebooks' groups, every row a permutation of 0 .. d/2 - 1; the key centroids
+        must already be in that order. Only for pre-RoPE keys with one pair per sub-space, one stage."""
+        if order is None:
+            return dataclasses.replace(self, key_pair_order=None)
+        if self.rope_inv_freq is None or self.key_rope_pairs != 1 or self.stages != 1:
+            raise ValueError(f"key_pair_order is for pre-RoPE keys with one RoPE pair per sub-space and one stage, "
+                             f"these codebooks are {self.recipe}")
+        o = np.asarray(order)
+        want = tuple(self.key.centroids.shape[:2]) + (self.key_M,)
+        if o.shape != want or not np.issubdtype(o.dtype, np.integer):
+            raise ValueError(f"key_pair_order must be int[L, G, M] = {list(want)} (the key codebooks' layers, groups "
+                             f"and sub-spaces), got {o.dtype}{list(o.shape)}")
+        bad = np.argwhere((np.sort(o, axis=-1) != np.arange(self.key_M)).any(-1))
+        if bad.size:
+            raise ValueError(f"key_pair_order[{bad[0][0]}, {bad[0][1]}] is not a permutation of the {self.key_M} "
+                             f"RoPE pairs")
+        return dataclasses.replace(self, key_pair_order=jnp.asarray(o, jnp.int32))
+
     @property
     def key_code_bits(self) -> int:
         """Bits of one token's key codes (all stages): sum n * bits over ``key_parts``, else key_M * key_nbits."""
@@ -259,9 +289,12 @@ class PQCodebooks:
 
     def key_subspace_freqs(self) -> jax.Array | None:
         """float32[S * M, P]: the RoPE frequency of pair p of each key sub-space as attention reads
-        the stacked stages (``million_jax.rope.subspace_freqs``; None for post-RoPE keys)."""
+        the stacked stages (``million_jax.rope.subspace_freqs``; None for post-RoPE keys). With
+        ``key_pair_order`` (one layer's, [G, M]): float32[G, M, 1], per head group."""
         if self.rope_inv_freq is None:
             return None
+        if self.key_pair_order is not None:
+            return jnp.asarray(self.rope_inv_freq, jnp.float32)[self.key_pair_order][..., None]
         freqs = rope.subspace_freqs(self.rope_inv_freq, self.key_rope_pairs)
         return jnp.tile(jnp.asarray(freqs), (self.stages, 1))  # a constant under jit
 
@@ -333,6 +366,8 @@ class PQCodebooks:
             name += " pre" + (f" g{self.key_rope_pairs}" if self.key_rope_pairs > 1 else "")
         if self.key_norms or self.value_norms:
             name += " n" + "k" * self.key_norms + "v" * self.value_norms + "u" * self.unit_codes
+        if self.key_pair_order is not None:
+            name += " po"
         return name
 
     @property
@@ -352,7 +387,7 @@ class PQCodebooks:
             total += layers * int(np.prod(c.shape[1:])) * jnp.dtype(c.dtype).itemsize
         if self.rope_inv_freq is not None:
             total += 4 * len(self.rope_inv_freq)
-        for name in ("key_transform", "value_transform"):  # stored; inverses derived on load
+        for name in ("key_transform", "value_transform", "key_pair_order"):  # stored; inverses derived on load
             t = getattr(self, name)
             if t is not None:
                 total += int(np.prod(t.shape)) * jnp.dtype(t.dtype).itemsize
@@ -373,4 +408,7 @@ class PQCodebooks:
                                   or t.shape[2:] != (head_dim, head_dim)):
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [L={l}, 1 or Hkv={num_kv_heads}, "
                                  f"{head_dim}, {head_dim}]")
+        o = self.key_pair_order
+        if o is not None and tuple(o.shape) != (l, g, self.key_M):
+            raise ValueError(f"key_pair_order has shape {tuple(o.shape)}, expected [L={l}, G={g}, M={self.key_M}]")
         return self

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from million_app.calibrate import load_model_codebooks
+from million_app.errors import UsageError
 from million_app.recipes import BEST_FOR_BITS, RECIPES, recipe_for_bits
 from million_jax.quant.codebook_io import load_codebooks
 from cli_result import one_error_line
@@ -232,3 +233,41 @@ def test_pair_widths_recipe_allocates_key_bits_at_the_same_mean(tiny):
     # too few calibration vectors per codebook for the widest widths: capped (here at the mean), not an error
     capped = fit_recipe(recipe, tiny, k, v, gram, count, iters=1, max_vectors=8)
     assert capped.key_parts == ((d // 2, 3),) and capped.key.centroids.shape[-2] == 8
+
+
+def test_pair_order_recipe_orders_each_heads_pairs(tiny):
+    """``pair_order``: one width per key sub-space, each (layer, KV head) putting its own strong pairs
+    into the wide ones; the file's codebooks serve a cache. Without pair_widths: refused by name."""
+    import dataclasses
+
+    from million_app.recipes import fit_recipe
+    from million_jax.cache.pq_cache import PQCache
+
+    c = tiny.config
+    L, h, d = c.n_global_layers, c.n_kv_heads, c.head_dim
+    rng = np.random.default_rng(1)
+    # every (layer, head) has other strong pairs
+    scale = np.stack([np.tile(rng.permutation(np.geomspace(0.05, 5.0, d // 2)), 2) for _ in range(L * h)])
+    scale = scale.reshape(L, h, 1, d)
+    k = (rng.normal(size=(L, h, 600, d)) * scale).astype(np.float32)
+    v = rng.normal(size=(L, h, 600, d)).astype(np.float32)
+    q = rng.normal(size=(L, h, 100, d)) * scale
+    gram, count = np.einsum("lhni,lhnj->lhij", q, q), np.full((L, h), 100)
+    recipe = dataclasses.replace(RECIPES["pq4-pre-nu-po"], name="tiny-po", key_nbits=3, value_nbits=3,
+                                 pair_widths=(2, 4))
+    report = {}
+    books = fit_recipe(recipe, tiny, k, v, gram, count, iters=3, max_vectors=512, allocation_report=report)
+    bits = report["key_bits_per_subspace"]
+    assert bits == sorted(bits) and sum(bits) == 3 * d // 2 and set(bits) != {3}
+    order = np.asarray(books.key_pair_order)
+    assert order.shape == (L, h, d // 2) and len({tuple(r) for r in order.reshape(-1, d // 2)}) > 1
+    strong = np.argsort(scale[..., : d // 2], axis=-1)[..., 0, -1]  # each head's strongest pair
+    slot_of_strong = np.argmax(order == strong[..., None], axis=-1)
+    assert (np.asarray(bits)[slot_of_strong] == max(bits)).all()  # in a sub-space of the widest width
+    assert books.bits_per_element == pytest.approx(recipe.stored_bits(d)) and books.recipe.endswith(" po")
+    cache = PQCache.for_codebooks(books, 1, h, 16)
+    assert cache.layer_consts(books) is books
+    with pytest.raises(UsageError, match="give pair_widths too"):
+        dataclasses.replace(recipe, pair_widths=None)
+    with pytest.raises(UsageError, match="codebooks per KV head"):
+        fit_recipe(recipe, tiny, k, v, gram, count, iters=1, max_vectors=512, granularity="layer")

@@ -25,7 +25,7 @@ from test_norm_explicit_pq import B, HKV, T, _attention, _inputs, _reconstruct, 
 PARTS = ((3, 3), (2, 5), (3, 4))  # d = 16: 8 key sub-spaces of 2 dims
 
 
-def _books(rng, parts=PARTS, pre_rope=False, norms=False, d=16):
+def _books(rng, parts=PARTS, pre_rope=False, norms=False, d=16, order=False):
     m = d // 2
     widest = max(b for _, b in parts)
     kc = rng.normal(size=(1, HKV, m, 2 ** widest, 2)).astype(np.float32)
@@ -39,6 +39,8 @@ def _books(rng, parts=PARTS, pre_rope=False, norms=False, d=16):
         books = books.with_pre_rope_keys(rope.rope_inv_freq(d, 50.0))
     if norms:
         books = books.with_explicit_norms(True, True, False)
+    if order:  # each KV head codes the RoPE pairs in its own order
+        books = books.with_key_pair_order(np.stack([[rng.permutation(m) for _ in range(HKV)]]))
     return books.with_key_parts(parts)
 
 
@@ -65,16 +67,18 @@ def test_bits_recipe_and_cache_width():
     assert cache.bits_per_element.key == pytest.approx(8 * 4 / 16)
 
 
-@pytest.mark.parametrize("pre_rope,norms,impl,d", [
-    (False, False, "xla", 16),
-    (True, True, "xla", 16),
-    (False, True, "pallas", 16),
-    (True, False, "pallas", 32),  # the kernel's pre-RoPE path wants M = d / 2 >= 16
+@pytest.mark.parametrize("pre_rope,norms,impl,d,order", [
+    (False, False, "xla", 16, False),
+    (True, True, "xla", 16, False),
+    (False, True, "pallas", 16, False),
+    (True, False, "pallas", 32, False),  # the kernel's pre-RoPE path wants M = d / 2 >= 16
+    (True, True, "xla", 16, True),  # each KV head's pairs in its own order
+    (True, True, "pallas", 32, True),
 ])
-def test_cache_matches_reference(pre_rope, norms, impl, d):
-    rng = np.random.default_rng(10 * pre_rope + norms + d)
+def test_cache_matches_reference(pre_rope, norms, impl, d, order):
+    rng = np.random.default_rng(10 * pre_rope + norms + d + 100 * order)
     parts = PARTS if d == 16 else ((6, 3), (4, 5), (6, 4))
-    books = _books(rng, parts, pre_rope, norms, d)
+    books = _books(rng, parts, pre_rope, norms, d, order)
     q, k, v = _inputs(rng, d)
     cache = PQCache.for_codebooks(books, B, HKV, T, quantize_all=True, impl=impl)
     outs, cache = _run(books, cache, q, k, v, prefill=4)
@@ -87,6 +91,8 @@ def test_cache_matches_reference(pre_rope, norms, impl, d):
                 cos, sin = rope.rope_cos_sin(np.arange(T), np.asarray(books.rope_inv_freq))
                 kk = np.asarray(rope.to_pair_layout(rope.unrotate(jnp.asarray(k[b, :, h][None]), cos[None],
                                                                   sin[None])))[0].astype(np.float64)
+            if order:
+                kk = kk.reshape(T, -1, 2)[:, np.asarray(books.key_pair_order[0, h])].reshape(T, -1)
             np.testing.assert_array_equal(got[b, h], _truncated_codes(books, kk, h))
     k_hat, v_hat, k_ratio, v_ratio = _reconstruct(books, k, v)
     if norms:
@@ -111,6 +117,27 @@ def test_io_roundtrip_and_bad_metadata(tmp_path):
     assert load_kv_codebooks(path)[0].key_parts == ((3, 3), (2, 5), (2, 4), (1, 4))
     save_kv_codebooks(path, dataclasses.replace(books, key_parts=((4, 3), (1, 5), (3, 4))))
     with pytest.raises(CodebookFileError, match="not copies of centroid 0"):
+        load_kv_codebooks(path)
+
+
+def test_pair_order_roundtrip_and_bad_orders(tmp_path):
+    books = _books(np.random.default_rng(6), pre_rope=True, norms=True, order=True)
+    assert books.recipe.endswith(" po")
+    path = tmp_path / "order.safetensors"
+    save_kv_codebooks(path, books)
+    back, _ = load_kv_codebooks(path)
+    np.testing.assert_array_equal(np.asarray(back.key_pair_order), np.asarray(books.key_pair_order))
+    assert back.key_pair_order.dtype == jnp.int32 and back.recipe == books.recipe
+    bad = np.asarray(books.key_pair_order).copy()
+    bad[0, 1, 0] = bad[0, 1, 1]
+    with pytest.raises(ValueError, match=r"key_pair_order\[0, 1\] is not a permutation"):
+        books.with_key_pair_order(bad)
+    with pytest.raises(ValueError, match="must be int"):
+        books.with_key_pair_order(bad[:, :1])
+    with pytest.raises(ValueError, match="pre-RoPE keys"):
+        _books(np.random.default_rng(7)).with_key_pair_order(np.asarray(books.key_pair_order))
+    save_kv_codebooks(path, dataclasses.replace(books, key_pair_order=jnp.asarray(bad)))
+    with pytest.raises(CodebookFileError, match="not a permutation"):
         load_kv_codebooks(path)
 
 

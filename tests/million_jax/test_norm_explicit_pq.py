@@ -56,10 +56,17 @@ def _reconstruct(books: PQCodebooks, k, v):
                 cos, sin = rope.rope_cos_sin(pos, np.asarray(books.rope_inv_freq))
                 kk = np.asarray(rope.to_pair_layout(rope.unrotate(jnp.asarray(k[b, :, hk][None]),
                                                                   cos[None], sin[None])))[0].astype(np.float64)
+            order = None if books.key_pair_order is None else np.asarray(books.key_pair_order[0, hk])
+            if order is not None:  # sub-space s codes pair order[s]
+                kk = kk.reshape(T, -1, 2)[:, order].reshape(T, -1)
             a = np.eye(d) if books.key_transform is None else np.asarray(books.key_transform[0, hk], np.float64)
             bm = np.eye(d) if books.value_transform is None else np.asarray(books.value_transform[0, hk], np.float64)
             _, kh = _np_stages(np.asarray(books.key.centroids[0, hk]), (norm(kk) if unit_k else kk) @ a.T, s)
             kh = kh @ np.linalg.inv(a).T
+            if order is not None:  # back to the natural pair order
+                nat = np.empty((T, d // 2, 2))
+                nat[:, order] = kh.reshape(T, -1, 2)
+                kh = nat.reshape(T, d)
             if books.key_rope == "pre":
                 kh = np.asarray(rope.rotate(jnp.asarray(rope.from_pair_layout(jnp.asarray(kh[None], jnp.float32))),
                                             cos[None], sin[None]))[0]

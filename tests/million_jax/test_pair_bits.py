@@ -13,7 +13,7 @@ import pytest
 
 from million_jax import rope
 from million_jax.calibration.pair_bits import (allocate_key_bits, greedy_allocation, pad_centroids, pair_key_error,
-                                               pair_query_energy, runs)
+                                               pair_query_energy, runs, shared_width_allocation)
 from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.quant.pq import Codebooks, decode, encode
 
@@ -37,6 +37,36 @@ def test_greedy_allocation_is_the_brute_force_optimum(seed):
 def test_greedy_allocation_keeps_equal_pairs_uniform():
     err = np.tile(2.0 ** -np.arange(5), (6, 1))
     assert (greedy_allocation(err, 2) == 2).all()
+
+
+def _convex_errors(rng, shape, n):
+    scale = rng.lognormal(0.0, 2.0, size=shape)
+    rate = rng.uniform(1.5, 4.0, size=shape)
+    return scale[..., None] * rate[..., None] ** -np.arange(n)
+
+
+def _spent(err, width, perm):
+    return err[np.arange(err.shape[0])[:, None], perm, np.asarray(width)[None, :]].sum()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_shared_widths_use_each_groups_freedom_to_order_its_pairs(seed):
+    rng = np.random.default_rng(seed)
+    G, P, n, start = 5, 6, 5, 2
+    err = _convex_errors(rng, (G, P), n)
+    width, perm = shared_width_allocation(err, start)
+    assert (np.sort(perm, axis=1) == np.arange(P)).all()
+    assert width.sum() == start * P and (np.diff(width) >= 0).all()
+    glob = greedy_allocation(err.sum(0), start)  # one width per pair for every group
+    assert _spent(err, width, perm) <= err[:, np.arange(P), glob].sum() * (1 + 1e-12)
+    # groups whose errors are one table in different pair orders: each reaches its own optimum
+    base = err[0]
+    orders = np.stack([rng.permutation(P) for _ in range(G)])
+    same = base[orders]  # group g's pair j is base's pair orders[g, j]
+    width, perm = shared_width_allocation(same, start)
+    alone = base[np.arange(P), greedy_allocation(base, start)].sum()
+    assert np.isclose(_spent(same, width, perm), G * alone)
+    assert _spent(same, width, perm) < same[:, np.arange(P), greedy_allocation(same.sum(0), start)].sum()
 
 
 def test_padded_books_encode_as_each_width():
@@ -123,3 +153,36 @@ def test_allocate_key_bits_keeps_the_mean_and_stores_the_layout():
     assert books.key.centroids.shape == (L, H, d // 2, 16, 2)
     with pytest.raises(ValueError, match="consecutive"):
         allocate_key_bits(base, {5: by_width[4]}, k, np.einsum("lhni,lhnj->lhij", q, q), np.full((L, H), N))
+
+
+def test_allocate_key_bits_with_a_pair_order_per_head():
+    rng = np.random.default_rng(5)
+    L, H, N, d = 2, 3, 300, 8
+    P = d // 2
+    # each (layer, head) has its own strong pairs
+    amp = np.stack([rng.permutation(np.linspace(0.2, 2.0, P)) for _ in range(L * H)]).reshape(L, H, 1, P)
+    k = (rng.normal(size=(L, H, N, d)) * np.tile(amp, 2)).astype(np.float32)
+    q = rng.normal(size=(L, H, N, d)) * np.tile(amp, 2)
+    x = np.asarray(rope.to_pair_layout(k, 1)).reshape(L, H, N, P, 2)
+    by_width = {w: np.moveaxis(x[:, :, :2 ** w], 2, 3).copy() for w in (2, 3, 4)}  # [L, H, P, 2**w, 2]
+    values = Codebooks(jnp.asarray(rng.normal(size=(L, H, P, 4, 2)).astype(np.float32)))
+    base = PQCodebooks(Codebooks(jnp.asarray(by_width[3])), values).with_pre_rope_keys(rope.rope_inv_freq(d, 100.0))
+    args = ({2: by_width[2], 4: by_width[4]}, k, np.einsum("lhni,lhnj->lhij", q, q), np.full((L, H), N))
+    books, report = allocate_key_bits(base, *args, per_head_order=True)
+    _, glob = allocate_key_bits(base, *args)
+    bits = report["key_bits_per_subspace"]
+    assert sum(bits) == 3 * P and bits == sorted(bits) and books.key_parts == runs(bits)
+    assert report["score_error_vs_uniform"]["allocation"] < glob["score_error_vs_uniform"]["allocation"]
+    order = np.asarray(books.key_pair_order)
+    assert order.shape == (L, H, P) and (np.sort(order, -1) == np.arange(P)).all()
+    c = np.asarray(books.key.centroids)
+    for layer in range(L):
+        for h in range(H):
+            for s_, w in enumerate(bits):  # sub-space s holds pair order[s]'s own centroids of its width
+                own = by_width[w][layer, h, order[layer, h, s_]]
+                np.testing.assert_array_equal(c[layer, h, s_, :2 ** w], own)
+                assert (c[layer, h, s_, 2 ** w:] == own[0]).all()
+    shared = PQCodebooks(Codebooks(jnp.asarray(by_width[3][:, :1])), Codebooks(values.centroids[:, :1]), "layer"
+                         ).with_pre_rope_keys(rope.rope_inv_freq(d, 100.0))
+    with pytest.raises(ValueError, match="codebooks per KV head"):
+        allocate_key_bits(shared, *args, per_head_order=True)

@@ -170,6 +170,32 @@ def test_two_pairs_per_subspace_kernel_and_reference(precision, tol, num_splits,
     assert np.abs(np.asarray(swapped[0]) - want[0]).max() > 0.1
 
 
+@pytest.mark.parametrize("precision, tol", [("fp32", 2e-5), ("bf16", 5e-2)])
+def test_per_kv_head_frequencies(precision, tol):
+    """rope_inv_freq [Hkv, M, 1]: each KV head's sub-spaces hold the RoPE pairs in their own order
+    (PQCodebooks.key_pair_order); the answer is the oracle's with that head's frequencies."""
+    case = dataclasses.replace(PRE, shared_codebook=False, num_kv_heads=3, group=2, seq_len=120)
+    x = make_inputs(case, 21, starts=np.array([0, 5, 30]), ends=np.array([120, 64, 100]))
+    f = inv_freq(case.num_subspaces, seed=21)
+    perms = np.stack([np.random.default_rng(h).permutation(case.num_subspaces) for h in range(3)])
+    per_head = jnp.asarray(np.asarray(f)[perms][..., None])  # [Hkv, M, 1]
+    g = case.group
+    oracles = [rope_oracle(x, per_head[h, :, 0]) for h in range(3)]
+    want = tuple(np.concatenate([o[i][:, h * g:(h + 1) * g] for h, o in enumerate(oracles)], axis=1)
+                 for i in range(2))
+    fn = functools.partial(pq_decode_attention, interpret=True, precision=precision, num_splits=2, block_t=32)
+    assert_close(jax.jit(fn)(**x, rope_inv_freq=per_head), want, tol)
+    assert_close(jax.jit(pq_decode_attention_reference)(**x, rope_inv_freq=per_head), want, 2e-5)
+    one = jnp.asarray(np.asarray(f)[perms[:1]][..., None])  # G = 1: every head the same order
+    assert_close(jax.jit(pq_decode_attention_reference)(**x, rope_inv_freq=one), rope_oracle(x, one[0, :, 0]), 2e-5)
+    with pytest.raises(ValueError, match=r"G=1 or Hkv=3"):
+        pq_decode_attention_reference(**x, rope_inv_freq=per_head[:2])
+    bad = np.array(per_head)
+    bad[2, 4, 0] = np.nan
+    with pytest.raises(ValueError, match="got nan at KV head 2, sub-space 4"):
+        pq_decode_attention(**x, rope_inv_freq=jnp.asarray(bad), interpret=True)
+
+
 def test_two_pairs_per_subspace_packed_d256():
     """Gemma-sized heads (d 256, M 64 sub-spaces of two pairs), packed 6-bit keys, fp32."""
     case = Case(batch=2, num_kv_heads=1, group=4, head_dim=256, num_subspaces=64, nbits=8, seq_len=60,
@@ -270,15 +296,20 @@ ROPE_SHAPES = {
     # two RoPE pairs per key sub-space (pq2-pre-g2): SmolLM2's M 16 and Gemma 3's M 64, 8-bit codes
     "g2-smollm2-gqa3": (specs(3, 9, 3, 64, 16, 8191), {}),
     "g2-gemma3-d256": (specs(1, 4, 1, 256, 64, 32768), {}),
+    # a frequency per KV head (PQCodebooks.key_pair_order): SmolLM2's shape
+    "per-head-smollm2-gqa3": (specs(3, 9, 3, 64, 32, 8191), dict(per_head=True)),
 }
 
 
 @pytest.mark.parametrize("name", list(ROPE_SHAPES))
 def test_pre_rope_kernel_exports_for_cuda(name):
     args, kw = ROPE_SHAPES[name]
+    kw = dict(kw)
     m, dsub = args[3].shape[1], args[3].shape[3]
     fn = lambda *a: pq_decode_attention(*a[:-1], rope_inv_freq=a[-1], **kw)  # noqa: E731
     freqs = (m,) if dsub == 2 else (m, dsub // 2)
+    if kw.pop("per_head", False):
+        freqs = (args[1].shape[1], m, dsub // 2)
     exported = export_for_cuda(fn, *args, jax.ShapeDtypeStruct(freqs, jnp.float32))
     assert exported.mlir_module().count(TRITON_CUSTOM_CALL) == 1
     b, h, d = args[0].shape
