@@ -34,7 +34,7 @@ def test_config_from_gguf_metadata(gemma3_model):
 def test_logits_match_transformers_over_1100_tokens(gemma3_model, gemma3_hf):
     import torch
 
-    hf, _ = gemma3_hf
+    hf = gemma3_hf
     ids = _text_ids(gemma3_model, 1100)  # crosses the 512-token window twice
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits.float().numpy()
@@ -46,10 +46,10 @@ def test_logits_match_transformers_over_1100_tokens(gemma3_model, gemma3_hf):
 def test_greedy_generation_token_for_token(gemma3_model, gemma3_hf):
     import torch
 
-    hf, tok = gemma3_hf
+    hf = gemma3_hf
     prompt = "The capital of France is"
-    ids = gemma3_model.encode(prompt)
-    assert ids == tok(prompt)["input_ids"] and ids[0] == 2
+    ids = gemma3_model.encode(prompt)  # the tokenizer against transformers': test_tokenizer_gemma3.py
+    assert ids[0] == 2
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
     cache, consts = make_cache(CacheSpec("dense", dtype=jnp.float32), gemma3_model.config, 1, 64)

@@ -47,32 +47,42 @@ from million_jax.cache.turboquant_cache import TurboQuantCache, turboquant_const
 from million_jax.quant.kv_codebooks import PQCodebooks  # noqa: E402
 
 B, H, HKV, D, T_MAX, SINKS, WINDOW = 4, 4, 1, 256, 40, 1, 2
-# (name, M, nbits, pre-RoPE keys, meshes); TurboQuant: (name, None, bits per coordinate, False, meshes)
+# (name, M, nbits, pre-RoPE keys, meshes); TurboQuant: (name, None, bits per coordinate, False, meshes).
+# "pre-order-hkv2": two KV heads, each coding the RoPE pairs in its own order (key_pair_order: a
+# frequency per KV head, split with the heads on the "model" axis).
 CASES = [
     ("M128-8bit", 128, 8, False, [(2, 2)]),
     ("M64-6bit-packed", 64, 6, False, [(2, 2)]),
     ("pre-M128-4bit-packed", 128, 4, True, [(2, 2), (4, 1)]),
     ("tq4", None, 4, False, [(2, 2)]),
     ("tq2.5-two-parts", None, 2.5, False, [(2, 2), (4, 1)]),
+    ("pre-order-hkv2", 128, 4, True, [(2, 2)]),
 ]
 
 
-def setup(m: int | None, nbits: float, pre: bool, seed: int) -> tuple[Any, list[tuple[np.ndarray, ...]]]:
-    """The cache constants (PQ codebooks [1 layer, 1 KV head, M, 2**nbits, 256 / M], or for m None
+def kv_heads(name: str) -> int:
+    return 2 if name == "pre-order-hkv2" else HKV
+
+
+def setup(name: str, m: int | None, nbits: float, pre: bool, seed: int) -> tuple[Any, list[tuple[np.ndarray, ...]]]:
+    """The cache constants (PQ codebooks [1 layer, Hkv, M, 2**nbits, 256 / M], or for m None
     a TurboQuant rotation) and two chunks of (q, k, v, n_new): a ragged prefill, then one decode
     token per sequence."""
     rng = np.random.default_rng(seed)
+    hkv = kv_heads(name)
     if m is None:
         books = turboquant_consts(1, D, seed=seed)
     else:
-        shape = (1, HKV, m, 2**nbits, D // m)
+        shape = (1, hkv, m, 2**nbits, D // m)
         books = PQCodebooks.from_centroids(rng.standard_normal(shape).astype(np.float32),
                                            rng.standard_normal(shape).astype(np.float32), "layer_head", num_layers=1)
     if pre:
         books = books.with_pre_rope_keys(rope.rope_inv_freq(D, 1e6))
+    if hkv > 1:
+        books = books.with_key_pair_order(np.stack([[rng.permutation(D // 2) for _ in range(hkv)]]))
     chunks = []
     for t, n in ((30, np.array([30, 7, 19, 1], np.int32)), (1, np.ones(B, np.int32))):
-        q, k, v = (rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (H, HKV, HKV))
+        q, k, v = (rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (H, hkv, hkv))
         chunks.append((q, k, v, n))
     return books, chunks
 
@@ -87,13 +97,14 @@ def decode_step(cache: Any, books: Any, chunk: tuple) -> tuple[Any, Any, str]:
 
 def empty_cache(books: Any, nbits: float, impl: str):
     if isinstance(books, PQCodebooks):
-        return PQCache.for_codebooks(books, B, HKV, T_MAX, window=WINDOW, sinks=SINKS, dtype=jnp.float32, impl=impl)
+        hkv = books.key.centroids.shape[1]
+        return PQCache.for_codebooks(books, B, hkv, T_MAX, window=WINDOW, sinks=SINKS, dtype=jnp.float32, impl=impl)
     return TurboQuantCache.create(1, B, HKV, T_MAX, D, bits=nbits, window=WINDOW, sinks=SINKS, dtype=jnp.float32,
                                   impl=impl)
 
 
 def run_case(name: str, m: int | None, nbits: float, pre: bool, meshes: list[tuple[int, int]], seed: int) -> dict:
-    books, (prefill, step) = setup(m, nbits, pre, seed)
+    books, (prefill, step) = setup(name, m, nbits, pre, seed)
     res: dict[str, Any] = {"name": name}
     single = {}
     for impl in ("pallas", "xla"):
@@ -106,7 +117,7 @@ def run_case(name: str, m: int | None, nbits: float, pre: bool, meshes: list[tup
     cache0, (want, want_cache, _) = single["pallas"]
     for shape in meshes:
         mesh = S.make_mesh(shape)
-        rules = S.rules_for(mesh, n_heads=H, n_kv_heads=HKV)
+        rules = S.rules_for(mesh, n_heads=H, n_kv_heads=kv_heads(name))
         cache = S.shard_cache(cache0, mesh, rules)
         km = cache.layers.mesh
         sbooks = S.shard_codebooks(books, mesh, rules)

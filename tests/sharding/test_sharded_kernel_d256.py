@@ -14,9 +14,10 @@ import pytest
 pytestmark = pytest.mark.slow  # ~25 s of CPU: one subprocess compiling 7 decode steps
 
 SCRIPT = Path(__file__).resolve().parent / "kernel_d256_checks.py"
-CASES = ["M128-8bit", "M64-6bit-packed", "pre-M128-4bit-packed", "tq4", "tq2.5-two-parts"]
+ONE_KV_HEAD = ["M128-8bit", "M64-6bit-packed", "pre-M128-4bit-packed", "tq4", "tq2.5-two-parts"]
+CASES = ONE_KV_HEAD + ["pre-order-hkv2"]  # two KV heads with their own RoPE pair orders
 MESHES = {"M128-8bit": [[2, 2]], "M64-6bit-packed": [[2, 2]], "pre-M128-4bit-packed": [[2, 2], [4, 1]],
-          "tq4": [[2, 2]], "tq2.5-two-parts": [[2, 2], [4, 1]]}
+          "tq4": [[2, 2]], "tq2.5-two-parts": [[2, 2], [4, 1]], "pre-order-hkv2": [[2, 2]]}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,16 @@ def test_sharded_kernel_equals_one_device(results, name):
         assert m["codes_equal"], m
 
 
-@pytest.mark.parametrize("name", CASES)
+def test_per_head_pair_orders_are_split_with_their_kv_heads(results):
+    """key_pair_order gives a RoPE frequency per KV head: split over "model" with the heads (the
+    kernel per shard gets its own heads' frequencies; out_vs_single above checks the values)."""
+    for m in results["pre-order-hkv2"]["meshes"]:
+        assert (m["batch_axes"], m["kv_axes"]) == (["data"], ["model"]), m
+        assert m["shard_map"] and m["pallas_call"], m
+        assert m["codes_shard_shape"][1:3] == [2, 1], m
+
+
+@pytest.mark.parametrize("name", ONE_KV_HEAD)
 def test_one_kv_head_is_split_by_batch_and_runs_the_kernel_per_shard(results, name):
     for m in results[name]["meshes"]:
         data = m["mesh"][0]
