@@ -70,6 +70,10 @@ def main() -> None:
     for path in a.codebooks:
         books, meta = load_model_codebooks(path, model)
         keys = k_pre if books.key_rope == "pre" else k
+        if books.key_pair_order is not None:  # [L, G, d/2]: each head's pairs in its sub-spaces' order
+            order = np.asarray(books.key_pair_order)
+            keys = np.stack([np.swapaxes(rope.order_pairs(np.swapaxes(keys[i], 0, 1), order[i]), 0, 1)
+                             for i in range(keys.shape[0])])
         row = {"codebooks": os.path.basename(path), "recipe": books.recipe, "key_rope": books.key_rope,
                "calibration_window": meta.get("calib_window"),
                "key": relative_error_by_position(keys, books.key, books.key_transform, books.stages, a.bucket),

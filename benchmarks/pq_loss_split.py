@@ -69,7 +69,13 @@ def pq_reconstruct(books: PQCodebooks, k: jax.Array, v: jax.Array, pos: jax.Arra
         c, s = cos[:, :, None], sin[:, :, None]
         pairs = books.key_rope_pairs
         k_pair = rope.to_pair_layout(rope.unrotate(k.astype(jnp.float32), c, s), pairs)
-        k_hat = rope.rotate(rope.from_pair_layout(through(books.key, k_pair), pairs), c, s)
+        order = books.key_pair_order  # [G, d/2] or None: each head's pairs in its sub-spaces' order
+        if order is not None:
+            k_pair = rope.order_pairs(k_pair, order)
+        k_hat_pair = through(books.key, k_pair)
+        if order is not None:
+            k_hat_pair = rope.order_pairs(k_hat_pair, jnp.argsort(order, axis=-1))
+        k_hat = rope.rotate(rope.from_pair_layout(k_hat_pair, pairs), c, s)
     elif books.key_transform is not None:  # q . k = (A^-T q) . (A k): k_hat = A^-1 decode(encode(A k))
         k_hat = apply_head_transform(through(books.key, apply_head_transform(k, books.key_transform)),
                                      jnp.swapaxes(books.query_transform, -1, -2))
