@@ -33,7 +33,8 @@ from million_jax.quant.pq import Codebooks, check_nbits, check_subspaces, fit_co
 from million_jax.quant.kv_codebooks import GRANULARITIES, PQCodebooks, check_pre_rope_keys, per_layer_centroids
 from million_jax.quant.residual_pq import check_stage_count, fit_stages
 
-__all__ = ["check_max_vectors", "collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_pair_key_centroids", "codebook_groups",
+__all__ = ["check_max_vectors", "collect_kv", "collect_query_gram", "fit_kv_codebooks", "fit_pair_key_centroids",
+           "fit_value_centroids", "codebook_groups",
            "fit_in_chunks", "DEFAULT_MAX_VECTORS",
            "GROUPS_PER_FIT"]
 
@@ -227,20 +228,42 @@ def fit_pair_key_centroids(keys: np.ndarray, nbits: int, *, granularity: str = "
     2-dim sub-space per RoPE pair (what ``fit_kv_codebooks(..., M=d/2, rope_inv_freq=...)`` fits for
     the keys, without the values): the codebooks of one width of a per-pair allocation
     (:mod:`million_jax.calibration.pair_bits`). ``progress()`` after each chunk of groups."""
+    return _fit_two_dim(keys, nbits, pair_layout=True, granularity=granularity, key=key, max_vectors=max_vectors,
+                        iters=iters, chunk_size=chunk_size, groups_per_fit=groups_per_fit, progress=progress,
+                        what="fit_pair_key_centroids: calibration keys")
+
+
+def fit_value_centroids(values: np.ndarray, nbits: int, *, granularity: str = "layer_head", key: jax.Array,
+                        max_vectors: int = DEFAULT_MAX_VECTORS, iters: int = 25, chunk_size: int = 8192,
+                        groups_per_fit: int = GROUPS_PER_FIT,
+                        progress: Callable[[], None] | None = None) -> np.ndarray:
+    """Value centroids float32[L, G, d/2, 2**nbits, 2] of values float[L, Hkv, N, d] in 2-dim
+    sub-spaces (dims 2m, 2m + 1; what ``fit_kv_codebooks(..., value_M=d/2)`` fits for the values,
+    without the keys): one width of a per-sub-space value allocation."""
+    return _fit_two_dim(values, nbits, pair_layout=False, granularity=granularity, key=key, max_vectors=max_vectors,
+                        iters=iters, chunk_size=chunk_size, groups_per_fit=groups_per_fit, progress=progress,
+                        what="fit_value_centroids: calibration values")
+
+
+def _fit_two_dim(x: np.ndarray, nbits: int, *, pair_layout: bool, granularity: str, key: jax.Array,
+                 max_vectors: int, iters: int, chunk_size: int, groups_per_fit: int,
+                 progress: Callable[[], None] | None, what: str) -> np.ndarray:
+    """Centroids float32[L, G, d/2, 2**nbits, 2] of x float[L, Hkv, N, d] in 2-dim sub-spaces (RoPE
+    pairs with ``pair_layout``, else dims 2m, 2m + 1)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    keys = np.asarray(keys, np.float32)
-    if keys.ndim != 4 or keys.shape[2] == 0 or keys.shape[3] % 2:
-        raise ValueError(f"keys must be float[L, Hkv, N >= 1, d] with d even, got {keys.shape}")
-    if not np.isfinite(keys).all():
-        raise ValueError("fit_pair_key_centroids: calibration keys contain NaN/Inf")
+    x = np.asarray(x, np.float32)
+    if x.ndim != 4 or x.shape[2] == 0 or x.shape[3] % 2:
+        raise ValueError(f"{what} must be float[L, Hkv, N >= 1, d] with d even, got {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"{what} contain NaN/Inf")
     check_nbits(nbits)
     check_max_vectors(max_vectors, nbits)
     rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
-    books = _fit_side(rope.to_pair_layout(keys, 1), None, keys.shape[-1] // 2, nbits, granularity=granularity,
-                      key=jax.random.fold_in(key, 1), rng=rng, max_vectors=max_vectors, stages=1, iters=iters,
-                      chunk_size=chunk_size, groups_per_fit=groups_per_fit, progress=progress)
-    return np.asarray(per_layer_centroids(books.centroids, granularity, keys.shape[0]), np.float32)
+    books = _fit_side(rope.to_pair_layout(x, 1) if pair_layout else x, None, x.shape[-1] // 2, nbits,
+                      granularity=granularity, key=jax.random.fold_in(key, 1), rng=rng, max_vectors=max_vectors,
+                      stages=1, iters=iters, chunk_size=chunk_size, groups_per_fit=groups_per_fit, progress=progress)
+    return np.asarray(per_layer_centroids(books.centroids, granularity, x.shape[0]), np.float32)
 
 
 def codebook_groups(granularity: str, num_layers: int, num_kv_heads: int) -> int:

@@ -25,11 +25,12 @@ import numpy as np
 
 from million_jax import rope
 from million_jax.quant.kv_codebooks import PQCodebooks, unit_vectors
+from million_jax.quant.kv_transforms import output_gram
 from million_jax.quant.pq import Codebooks, decode, encode
 from pallas_kernels.code_packing import Parts
 
-__all__ = ["pair_query_energy", "pair_key_error", "greedy_allocation", "shared_width_allocation", "runs",
-           "pad_centroids", "allocate_key_bits"]
+__all__ = ["pair_query_energy", "pair_key_error", "subspace_error", "value_output_energy", "greedy_allocation",
+           "shared_width_allocation", "runs", "pad_centroids", "allocate_key_bits"]
 
 
 def pair_query_energy(q_gram: np.ndarray, q_count: np.ndarray) -> np.ndarray:
@@ -50,22 +51,42 @@ def pair_key_error(centroids: np.ndarray, keys: np.ndarray, *, norms: bool, unit
     """E|k_m - k_hat_m|^2 float64[L, Hkv, d/2] per RoPE pair of pre-RoPE keys float[L, Hkv, N, d] coded
     by key centroids float[L, G, d/2, K, 2] (G in {1, Hkv}) as the cache codes them: ``unit`` codes
     encode k / |k|; with ``norms`` the reconstruction is rescaled to |k| (norm-explicit PQ)."""
-    k = np.asarray(keys, np.float32)
+    return subspace_error(centroids, keys, norms=norms, unit=unit, pair_layout=True)
+
+
+def subspace_error(centroids: np.ndarray, x: np.ndarray, *, norms: bool, unit: bool, pair_layout: bool) -> np.ndarray:
+    """E|x_m - x_hat_m|^2 float64[L, Hkv, d/2] per 2-dim sub-space of x float[L, Hkv, N, d] coded by
+    centroids float[L, G, d/2, K, 2] (G in {1, Hkv}) as the cache codes them (``unit``, ``norms`` as
+    :func:`pair_key_error`); sub-space m is RoPE pair m with ``pair_layout`` (keys before RoPE), else
+    dims 2m, 2m + 1 (values)."""
+    x = np.asarray(x, np.float32)
     c = np.asarray(centroids, np.float32)
-    L, H, _, d = k.shape
+    L, H, _, d = x.shape
     if c.shape[:1] != (L,) or c.shape[1] not in (1, H) or c.shape[2] != d // 2 or c.shape[4] != 2:
         raise ValueError(f"centroids must be float[L={L}, 1 or {H}, {d // 2}, K, 2], got {c.shape}")
     out = np.zeros((L, H, d // 2))
     for layer in range(L):
-        x = np.asarray(rope.to_pair_layout(k[layer], 1))  # [H, N, d], pair m at dims 2m, 2m + 1
-        x_in = unit_vectors(x) if unit else x
+        xl = np.asarray(rope.to_pair_layout(x[layer], 1)) if pair_layout else x[layer]  # [H, N, d]
+        x_in = unit_vectors(xl) if unit else xl
         books = Codebooks(c[layer])  # G = 1 broadcasts over the KV heads
         x_hat = np.asarray(decode(books, encode(books, x_in)), np.float32)
         if norms:
-            x_hat = unit_vectors(x_hat) * np.linalg.norm(x, axis=-1, keepdims=True)
-        e = (x - x_hat).astype(np.float64) ** 2
+            x_hat = unit_vectors(x_hat) * np.linalg.norm(xl, axis=-1, keepdims=True)
+        e = (xl - x_hat).astype(np.float64) ** 2
         out[layer] = e.reshape(H, -1, d // 2, 2).sum(-1).mean(1)
     return out
+
+
+def value_output_energy(wo: np.ndarray, n_heads: int, n_kv_heads: int) -> np.ndarray:
+    """float64[L, Hkv, d/2]: how much an error in value sub-space m (dims 2m, 2m + 1) of a KV head
+    moves the attention layer's output, tr(G_mm) / 2 with G = sum over its query heads of Wo_h Wo_h^T
+    (``wo`` float[L, H*d, D], ``y = x @ wo``; :func:`~million_jax.quant.kv_transforms.output_gram`):
+    E|Wo^T e|^2 = sum_m tr(G_mm) E|e_m|^2 / 2 for errors isotropic within each sub-space and
+    independent across them."""
+    diag = np.diagonal(output_gram(wo, n_heads, n_kv_heads), axis1=-2, axis2=-1)  # [L, Hkv, d]
+    if diag.shape[-1] % 2:
+        raise ValueError(f"2-dim value sub-spaces need an even head_dim, got {diag.shape[-1]}")
+    return diag.reshape(diag.shape[:2] + (-1, 2)).sum(-1) / 2
 
 
 def greedy_allocation(err: np.ndarray, start: int) -> np.ndarray:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["sqrt_psd", "query_aware_key_transform", "output_value_transform", "apply_head_transform",
+__all__ = ["sqrt_psd", "query_aware_key_transform", "output_gram", "output_value_transform", "apply_head_transform",
            "transform_rows", "check_transform", "inverse_transpose", "inverse"]
 
 # Eigenvalues are floored at this fraction of the mean eigenvalue (a never-seen direction
@@ -58,11 +58,11 @@ def query_aware_key_transform(q_gram: np.ndarray, counts: np.ndarray | None = No
     return sqrt_psd(g)
 
 
-def output_value_transform(wo: np.ndarray, n_heads: int, n_kv_heads: int) -> np.ndarray:
-    """B = (sum_{h in group} Wo_h Wo_h^T)^(1/2) per layer and KV head.
+def output_gram(wo: np.ndarray, n_heads: int, n_kv_heads: int) -> np.ndarray:
+    """G = sum_{h in group} Wo_h Wo_h^T float64[L, Hkv, d, d] per layer and KV head: how a value
+    error e of the KV head moves the layer output of its query heads, sum_h |Wo_h^T e|^2 = e^T G e.
 
-    wo: float[L, H*d, D] (the output projection, ``y = x @ wo``). Returns float32[L, Hkv, d, d].
-    """
+    wo: float[L, H*d, D] (the output projection, ``y = x @ wo``)."""
     wo = np.asarray(wo, np.float64)
     if wo.ndim != 3 or wo.shape[1] % n_heads or n_heads % n_kv_heads:
         raise ValueError(f"wo must be float[L, H*d, D] with H={n_heads} a multiple of Hkv={n_kv_heads}, "
@@ -70,8 +70,15 @@ def output_value_transform(wo: np.ndarray, n_heads: int, n_kv_heads: int) -> np.
     L, hd, D = wo.shape
     d = hd // n_heads
     w = wo.reshape(L, n_kv_heads, n_heads // n_kv_heads, d, D)
-    gram = np.einsum("lkgid,lkgjd->lkij", w, w)
-    return sqrt_psd(gram)
+    return np.einsum("lkgid,lkgjd->lkij", w, w)
+
+
+def output_value_transform(wo: np.ndarray, n_heads: int, n_kv_heads: int) -> np.ndarray:
+    """B = G^(1/2) (:func:`output_gram`) per layer and KV head: float32[L, Hkv, d, d].
+
+    wo: float[L, H*d, D] (the output projection, ``y = x @ wo``).
+    """
+    return sqrt_psd(output_gram(wo, n_heads, n_kv_heads))
 
 
 def check_transform(t, num_layers: int | None, head_dim: int, name: str) -> jax.Array:

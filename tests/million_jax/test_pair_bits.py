@@ -13,7 +13,8 @@ import pytest
 
 from million_jax import rope
 from million_jax.calibration.pair_bits import (allocate_key_bits, greedy_allocation, pad_centroids, pair_key_error,
-                                               pair_query_energy, runs, shared_width_allocation)
+                                               pair_query_energy, runs, shared_width_allocation, subspace_error,
+                                               value_output_energy)
 from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.quant.pq import Codebooks, decode, encode
 
@@ -97,14 +98,16 @@ def test_runs_and_missing_width():
         pad_centroids({2: np.zeros((1, 1, 3, 4, 2))}, [2, 3, 2])
 
 
-def _np_pair_error(c, k, norms, unit):
-    """numpy reference of pair_key_error: c [L, G, P, K, 2], k [L, H, N, d] (rotate-half dims)."""
+def _np_pair_error(c, k, norms, unit, pairs=True):
+    """numpy reference of pair_key_error (``pairs``: rotate-half dims) / subspace_error for values
+    (dims 2m, 2m + 1): c [L, G, P, K, 2], k [L, H, N, d]."""
     L, H, N, d = k.shape
     P = d // 2
     out = np.zeros((L, H, P))
     for layer in range(L):
         for h in range(H):
-            x = np.stack([k[layer, h, :, :P], k[layer, h, :, P:]], -1).astype(np.float64)  # [N, P, 2]
+            x = (np.stack([k[layer, h, :, :P], k[layer, h, :, P:]], -1) if pairs
+                 else k[layer, h].reshape(N, P, 2)).astype(np.float64)  # [N, P, 2]
             n = np.linalg.norm(x.reshape(N, -1), axis=-1)
             xin = x / n[:, None, None] if unit else x
             cb = c[layer, h if c.shape[1] > 1 else 0].astype(np.float64)  # [P, K, 2]
@@ -124,6 +127,8 @@ def test_pair_key_error_and_query_energy_match_numpy(norms, unit, groups):
     c = rng.normal(size=(L, groups, d // 2, 8, 2)).astype(np.float32) * (0.3 if unit else 1.5)
     np.testing.assert_allclose(pair_key_error(c, k, norms=norms, unit=unit), _np_pair_error(c, k, norms, unit),
                                rtol=1e-4)
+    np.testing.assert_allclose(subspace_error(c, k, norms=norms, unit=unit, pair_layout=False),
+                               _np_pair_error(c, k, norms, unit, pairs=False), rtol=1e-4)
     q = rng.normal(size=(L, H, 40, d))
     gram, count = np.einsum("lhni,lhnj->lhij", q, q), np.full((L, H), 40)
     np.testing.assert_allclose(pair_query_energy(gram, count), (q[..., :d // 2] ** 2 + q[..., d // 2:] ** 2).mean(2))
@@ -186,3 +191,21 @@ def test_allocate_key_bits_with_a_pair_order_per_head():
                          ).with_pre_rope_keys(rope.rope_inv_freq(d, 100.0))
     with pytest.raises(ValueError, match="codebooks per KV head"):
         allocate_key_bits(shared, *args, per_head_order=True)
+
+
+def test_value_output_energy_is_the_output_error_of_isotropic_subspace_errors():
+    rng = np.random.default_rng(11)
+    L, H, Hkv, d, D = 2, 4, 2, 6, 10
+    wo = rng.normal(size=(L, H * d, D))
+    w = value_output_energy(wo, H, Hkv)  # [L, Hkv, d/2]
+    assert w.shape == (L, Hkv, d // 2)
+    for layer in range(L):
+        for kv in range(Hkv):
+            for m in range(d // 2):  # unit-variance error in sub-space m only, summed over the group's heads
+                e = np.zeros((4000, d))
+                e[:, 2 * m:2 * m + 2] = rng.normal(size=(4000, 2)) / np.sqrt(2)  # E|e_m|^2 = 1
+                heads = range(kv * (H // Hkv), (kv + 1) * (H // Hkv))
+                out = sum(((e @ wo[layer, h * d:(h + 1) * d]) ** 2).sum(-1).mean() for h in heads)
+                np.testing.assert_allclose(w[layer, kv, m], out, rtol=0.1)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        value_output_energy(wo, 3, 2)
