@@ -136,8 +136,9 @@ def test_calibrate_bits_reports_counts_and_eta(cli, tiny_dir, tiny, tmp_path, mo
     if RECIPES[name].pair_widths is not None:  # the key widths per RoPE pair: progress, and recorded in the file
         assert f"key codebooks of 6, 7, 9 bits ({name}): 1/" in res.err, res.err  # 512 vectors: 10 bits capped
         meta = load_codebooks(str(tmp_path / "b.safetensors"))[1]
-        assert len(meta["key_bits_per_pair"]) == tiny.config.head_dim // 2
-        assert sum(meta["key_bits_per_pair"]) == 8 * len(meta["key_bits_per_pair"])
+        widths = meta["key_bits_per_subspace" if RECIPES[name].pair_order else "key_bits_per_pair"]
+        assert len(widths) == tiny.config.head_dim // 2
+        assert sum(widths) == 8 * len(widths)
 
 
 @pytest.mark.parametrize("change,match", [
