@@ -177,10 +177,10 @@ def table(args) -> None:
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(text)
     print(text)
-    plot(res, dense, os.path.join(args.out, "frontier.png"), model_preset(args.model))
+    plot(res, dense, os.path.join(args.out, "frontier.png"), model_preset(args.model), args.text)
 
 
-def plot(res, dense, path, preset=None) -> None:
+def plot(res, dense, path, preset=None, text: str = "builtin:eval") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,7 +204,7 @@ def plot(res, dense, path, preset=None) -> None:
                     by.setdefault(b, []).append(y)
                 ax.scatter([b for b, _, _ in pts], [y for _, y, _ in pts], color=color, marker=marker, alpha=0.4)
                 xs = sorted(by)
-                label = {"pq": "pq (calibrate --bits B before norms; mean of 2 seeds)",
+                label = {"pq": "pq (calibrate --bits B, the recipe of its day; mean of 2 seeds)",
                          "pq+norms": "pq + a bf16 norm per vector (today's codebooks rescaled)",
                          "pq+unit": "pq + norm, codebooks of unit vectors (NEQ; calibrate --bits 2)",
                          "pq+g2": "pq, keys before RoPE, 2 RoPE pairs per sub-space (pq2-pre-g2 / -n / -nu)"}[fam]
@@ -220,7 +220,8 @@ def plot(res, dense, path, preset=None) -> None:
             ax.set_ylim(dense["ppl"] * 0.98, dense["ppl"] * preset["ylim"][protocol])
         ax.set_xlabel("stored bits per K/V element (codes + norms / scales)")
         ax.set_ylabel("perplexity (lower is better)")
-        ax.set_title(f"{preset['label']}, builtin:eval 4096 tokens, protocol {protocol}"
+        tokens = sorted({r.get("max_tokens") for (p, _), r in res.items() if p == protocol} - {None})
+        ax.set_title(f"{preset['label']}, {text} {'/'.join(map(str, tokens))} tokens, protocol {protocol}"
                      + (" (every token from codes)" if protocol == "all" else " (exact sinks/recent)"), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -98,7 +98,7 @@ def heatmap(result: dict[str, Any], path: str, title: str = "") -> None:
             for j in range(acc.shape[1]):
                 text = f"{acc[i, j]:.0%}" + (f"\n{logp[i][j]:.2f}" if logp else "")
                 ax.text(j, i, text, ha="center", va="center", fontsize=7)
-    has_logp = "key_logp" in result["results"][labels[0]]
+    has_logp = any("key_logp" in r for r in result["results"].values())
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8,
                  label="accuracy" + ("\n(cell text: accuracy, mean log p(key))" if has_logp else ""))
     if title:

@@ -322,11 +322,13 @@ def with_norms(recipe: Recipe, norms: bool, unit: bool = False) -> Recipe:
 
 
 def adopted_precise_sinks(recipe: Recipe | None, family: str) -> int:
-    """Exact first tokens ``calibrate --bits B`` records for ``recipe`` on a model of ``family``
-    (0 without a recipe: ``--M`` / ``--nbits`` fits record nothing)."""
+    """Exact first tokens ``calibrate`` records for ``recipe`` (``--bits B``; None for an ``--M`` /
+    ``--nbits`` fit) on a model of ``family``: the family's measured count (a property of the
+    model's first tokens, so it holds for any codebooks), or the recipe's where larger."""
+    family_sinks = FAMILY_PRECISE_SINKS.get(family, 0)
     if recipe is None:
-        return 0
-    return max(PRECISE_SINKS.get(recipe.name, 0), FAMILY_PRECISE_SINKS.get(family, 0))
+        return family_sinks
+    return max(PRECISE_SINKS.get(recipe.name, 0), family_sinks)
 
 
 def recipe_for_bits(bits: int, key_rope: str = "pre", family: str | None = None) -> Recipe:

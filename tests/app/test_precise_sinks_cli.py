@@ -83,7 +83,8 @@ def test_calibrate_bits_records_the_adopted_sinks(cli, tiny_dir, tmp_path, monke
 
 def test_calibrate_bits_records_four_sinks_on_gemma3(cli, tmp_path):
     """A Gemma 3 model records 4 precise sinks at every --bits (measured: its first token is what its
-    codebooks reproduce worst); --precise-sinks still overrides; a LLaMA at 4 b records none."""
+    codebooks reproduce worst), and so does an --M / --nbits fit there; --precise-sinks still overrides; a LLaMA
+    at 4 b records none."""
     from million_app.recipes import FAMILY_PRECISE_SINKS, PRECISE_SINKS, adopted_precise_sinks, recipe_for_bits
     from million_app.tiny import write_tiny_checkpoint
     from models import preset
@@ -99,4 +100,10 @@ def test_calibrate_bits_records_four_sinks_on_gemma3(cli, tmp_path):
         assert meta["recipe"] == recipe_for_bits(4, "pre", "gemma3").name == "pq4-pre-n"  # Gemma's 4 b recipe
     four = recipe_for_bits(4, "pre")
     assert four.name not in PRECISE_SINKS and adopted_precise_sinks(four, "llama") == 0
-    assert adopted_precise_sinks(None, "gemma3") == 0
+    assert adopted_precise_sinks(None, "gemma3") == FAMILY_PRECISE_SINKS["gemma3"] == 4  # --M / --nbits fits too
+    assert adopted_precise_sinks(None, "llama") == 0
+    path = tmp_path / "g_m.safetensors"  # an --M / --nbits fit on Gemma 3 records the family's sinks
+    res = cli("calibrate", "--model", gemma, "--text", "builtin:calib", "--tokens", "1024", "--window", "256",
+              "--M", "8", "--nbits", "4", "--iters", "1", "--max-vectors", "512", "--out", path, "--quiet")
+    assert res.rc == 0, res.err
+    assert load_codebooks(str(path))[1]["precise_sinks"] == 4
