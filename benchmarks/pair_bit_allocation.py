@@ -40,7 +40,7 @@ from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
 from million_app.recipes import Recipe, fit_recipe
 from million_jax.calibration.pair_bits import (greedy_allocation, pad_centroids, pair_key_error, pair_query_energy,
-                                               shared_width_allocation)
+                                               shared_width_allocation, widths_in_pair_order)
 from million_jax.quant.kv_codebooks import PQCodebooks
 from million_jax.quant.pq import Codebooks
 
@@ -80,6 +80,8 @@ def main() -> None:
     base, meta = load_model_codebooks(a.base, model)
     if base.key_rope != "pre" or base.key.centroids.shape[-1] != 2 or base.stages != 1:
         raise SystemExit("--base must hold pre-RoPE keys in 2-dim sub-spaces (one RoPE pair each), one stage")
+    if base.key_parts is not None or base.key_pair_order is not None:
+        raise SystemExit(f"--base must hold keys of one width in the natural pair order, got {base.recipe}")
     widths = sorted(int(w) for w in a.widths.split(","))
     if widths != list(range(widths[0], widths[-1] + 1)) or base.key_nbits not in widths:
         raise SystemExit(f"--widths must be consecutive and hold the base's key width {base.key_nbits}")
@@ -89,6 +91,7 @@ def main() -> None:
         books, _ = load_model_codebooks(path, model)
         same = (books.key_rope, books.key.centroids.shape[-1], books.stages, books.key_norms, books.unit_codes) == \
             (base.key_rope, 2, 1, base.key_norms, base.unit_codes)
+        same = same and books.key_parts is None and books.key_pair_order is None
         if not same or books.key_nbits != int(w):
             raise SystemExit(f"--key-books {item}: not --base's recipe with {w}-bit keys "
                              f"(got {books.recipe}, {books.key_nbits}-bit keys)")
@@ -106,9 +109,7 @@ def main() -> None:
     per_head = np.stack([[greedy_allocation(err[l, h], start) for h in range(H)] for l in range(L)])
     glob = np.broadcast_to(greedy_allocation(err.sum((0, 1)), start), (L, H, P))
     slot_width, perm = shared_width_allocation(err.reshape(L * H, P, -1), start)
-    shared = np.empty((L * H, P), np.int64)
-    np.put_along_axis(shared, perm, np.broadcast_to(slot_width, (L * H, P)), 1)
-    shared = shared.reshape(L, H, P)
+    shared = widths_in_pair_order(slot_width, perm).reshape(L, H, P)
 
     def total(index: np.ndarray) -> float:
         return float(np.take_along_axis(err, index[..., None], -1).sum())

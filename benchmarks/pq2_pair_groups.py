@@ -137,6 +137,9 @@ def main() -> None:
             save(row)
     for path in a.compare:
         books, _ = load_model_codebooks(path, model)
+        if books.key_pair_order is not None or books.key_parts is not None:
+            raise SystemExit(f"--compare {path}: keys of mixed widths or in a per-head pair order ({books.recipe}) "
+                             f"are not read here (this script encodes every key sub-space in the natural order)")
         x = k_pre if books.key_rope == "pre" else k_post
         t = books.key_transform
         kb = Codebooks(books.key.centroids)

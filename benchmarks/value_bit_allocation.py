@@ -40,7 +40,7 @@ from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
 from million_jax.calibration.fit import fit_value_centroids
 from million_jax.calibration.pair_bits import (greedy_allocation, pad_centroids, shared_width_allocation,
-                                               subspace_error, value_output_energy)
+                                               subspace_error, value_output_energy, widths_in_pair_order)
 from million_jax.quant.kv_codebooks import unit_vectors
 from million_jax.quant.pq import Codebooks
 
@@ -87,9 +87,7 @@ def main() -> None:
     per_head = np.stack([[greedy_allocation(err[l_, h], start) for h in range(H)] for l_ in range(L)])
     glob = np.broadcast_to(greedy_allocation(err.sum((0, 1)), start), (L, H, P))
     slot, perm = shared_width_allocation(err.reshape(L * H, P, W), start)
-    shared = np.empty((L * H, P), np.int64)
-    np.put_along_axis(shared, perm, np.broadcast_to(slot, (L * H, P)), 1)
-    shared = shared.reshape(L, H, P)
+    shared = widths_in_pair_order(slot, perm).reshape(L, H, P)
 
     def total(index: np.ndarray) -> float:
         return float(np.take_along_axis(err, index[..., None], -1).sum())

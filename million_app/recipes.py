@@ -76,7 +76,7 @@ from million_jax.quant.pq import check_nbits
 from models.decoder import rope_inv_freq
 
 __all__ = ["Recipe", "RECIPES", "with_norms", "BEST_FOR_BITS", "FAMILY_BEST_FOR_BITS", "PRECISE_SINKS", "FAMILY_PRECISE_SINKS", "adopted_precise_sinks",
-           "recipe_for_bits", "fit_recipe"]
+           "recipe_for_bits", "check_recipe_granularity", "fit_recipe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,14 +396,20 @@ def _allocate_pair_bits(recipe: Recipe, books: PQCodebooks, k: np.ndarray, q_gra
                                                  key=jax.random.fold_in(jax.random.PRNGKey(seed), 1000 + w),
                                                  max_vectors=max_vectors, iters=iters, progress=step)
     pick = np.sort(np.random.default_rng(seed).choice(k.shape[2], min(PAIR_ERROR_SAMPLE, k.shape[2]), replace=False))
-    if recipe.pair_order and granularity != "layer_head":
-        raise UsageError(f"recipe {recipe.name}: a pair order per KV head needs codebooks per KV head "
-                         f"(granularity layer_head, got {granularity})")
     out, summary = allocate_key_bits(books, by_width, k[:, :, pick], q_gram, q_count, per_head_order=recipe.pair_order)
     if report_to is not None:
         widths = "key_bits_per_subspace" if recipe.pair_order else "key_bits_per_pair"
         report_to.update({widths: summary[widths], "pair_score_error_vs_uniform": summary["score_error_vs_uniform"]})
     return out
+
+
+def check_recipe_granularity(recipe: Recipe, config, granularity: str) -> None:
+    """UsageError when ``recipe`` cannot be fitted at ``granularity`` on a model of ``config``: a
+    per-head pair order (``pair_order``) needs codebooks per layer and KV head."""
+    if recipe.pair_order and codebook_groups(granularity, config.n_global_layers, config.n_kv_heads) != \
+            config.n_global_layers * config.n_kv_heads:
+        raise UsageError(f"recipe {recipe.name}: a pair order per layer and KV head needs codebooks per layer and "
+                         f"KV head (granularity layer_head, or layer with one KV head), got {granularity}")
 
 
 def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.ndarray, q_count: np.ndarray, *,
@@ -422,6 +428,7 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
     ``allocation_report`` when it is a dict."""
     c = model.config
     _check_calibration_arrays(recipe, c, k, v, q_gram, q_count)
+    check_recipe_granularity(recipe, c, granularity)  # before the fits, not after them
     kt = query_aware_key_transform(q_gram, q_count) if recipe.query_aware else None
     vt = (output_value_transform(np.asarray(model.params["layers"]["wo"], np.float32)[list(c.global_layers)], c.n_heads, c.n_kv_heads)
           if recipe.output_aware else None)

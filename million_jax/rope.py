@@ -153,6 +153,13 @@ def subspace_freqs(inv_freq, pairs: int = 1) -> np.ndarray:
     return np.ascontiguousarray(inv.reshape(p, inv.shape[-1] // p).T)
 
 
+def ordered_freqs(inv_freq, order):
+    """inv_freq float[d/2] (natural pair order), order int[..., M = d/2] -> float32[..., M, 1]: the
+    frequency of the one RoPE pair of each key sub-space when sub-space s codes pair ``order[..., s]``
+    (the per-head form of :func:`subspace_freqs` with one pair per sub-space)."""
+    return jnp.asarray(inv_freq, jnp.float32)[order][..., None]
+
+
 def order_pairs(x, order):
     """x float[..., H, d] in pair layout (one pair per sub-space: pair m at dims 2m, 2m + 1) with
     each head's pairs put in its own order: out[..., h, 2s:2s + 2] = x[..., h, 2 order[g, s]:...],

@@ -13,7 +13,8 @@ from million_app.corpus import text_hash
 from million_app.errors import UsageError
 from million_app.flags import check_codebook_settings, check_positions, check_positive, load_text
 from million_app.loading import model_name, open_model, tokenize
-from million_app.recipes import adopted_precise_sinks, fit_recipe, recipe_for_bits, with_norms
+from million_app.recipes import (adopted_precise_sinks, check_recipe_granularity, fit_recipe, recipe_for_bits,
+                                 with_norms)
 from million_app.report import check_writable, human_bytes
 from million_jax.quant.kv_codebooks import GRANULARITIES, unit_vectors
 from million_jax.quant.pq import MAX_NBITS, MIN_NBITS
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--bits picks M and nbits itself: give either --bits or --M/--nbits")
         recipe = recipe_for_bits(args.bits, args.rope, model.config.family)
         recipe.budgets(d)
+        check_recipe_granularity(recipe, model.config, args.granularity)
     nbits = 8 if args.nbits is None else args.nbits
     M = args.M or d // 2
     if d % M:

@@ -42,6 +42,7 @@ from million_jax.attention.turboquant_xla import turboquant_attention_xla
 from million_jax.quant.turboquant import Part, level_table
 from pallas_kernels import KernelPlan, plan_pq_kernel, pq_decode_attention_planned, pq_dims
 from pallas_kernels.code_packing import Parts
+from pallas_kernels.pq_math import check_rope_inv_freq
 
 __all__ = ["IMPLS", "KernelMesh", "check_impl", "kernel_plan", "pq_code_attention", "turboquant_code_attention"]
 
@@ -188,6 +189,8 @@ def pq_code_attention(
     """
     if check_codes:
         check_code_fit(q.shape[-1], k_codes, v_codes, k_books, v_books, k_parts)
+    if rope_inv_freq is not None:  # both paths: the kernel's planned entry does not check it again
+        check_rope_inv_freq(rope_inv_freq, k_books.shape[1], k_books.shape[3], k_codes.shape[1])
     shapes = [None if x is None else jax.ShapeDtypeStruct(tuple(x.shape[:-1]), x.dtype) for x in (k_scales, v_scales)]
     plan = kernel_plan(impl, q, k_codes, v_codes, k_books, v_books, mesh, rope=rope_inv_freq is not None,
                        k_scales=shapes[0], v_scales=shapes[1], k_parts=k_parts)

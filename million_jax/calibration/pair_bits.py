@@ -30,7 +30,7 @@ from million_jax.quant.pq import Codebooks, decode, encode
 from pallas_kernels.code_packing import Parts
 
 __all__ = ["pair_query_energy", "pair_key_error", "subspace_error", "value_output_energy", "greedy_allocation",
-           "shared_width_allocation", "runs", "pad_centroids", "allocate_key_bits"]
+           "shared_width_allocation", "widths_in_pair_order", "runs", "pad_centroids", "allocate_key_bits"]
 
 
 def pair_query_energy(q_gram: np.ndarray, q_count: np.ndarray) -> np.ndarray:
@@ -108,6 +108,16 @@ def greedy_allocation(err: np.ndarray, start: int) -> np.ndarray:
             return a
         a[i] += 1
         a[j] -= 1
+
+
+def widths_in_pair_order(slot_widths, perm: np.ndarray) -> np.ndarray:
+    """int64[..., P]: the width of each pair in natural order, from the widths of the slots
+    ``slot_widths`` [P] and the assignments ``perm`` int[..., P] (slot s codes pair ``perm[..., s]``;
+    :func:`shared_width_allocation`)."""
+    perm = np.asarray(perm)
+    out = np.empty(perm.shape, np.int64)
+    np.put_along_axis(out, perm, np.broadcast_to(np.asarray(slot_widths, np.int64), perm.shape), axis=-1)
+    return out
 
 
 def shared_width_allocation(err: np.ndarray, start: int, rounds: int = 20) -> tuple[np.ndarray, np.ndarray]:
@@ -193,6 +203,12 @@ def allocate_key_bits(books: PQCodebooks, by_width: Mapping[int, np.ndarray], ke
     if books.key_rope != "pre" or books.key_rope_pairs != 1 or books.stages != 1:
         raise ValueError(f"per-pair key bits need pre-RoPE keys with one RoPE pair per sub-space and one stage, "
                          f"got {books.recipe}")
+    if books.key_pair_order is not None or books.key_parts is not None:
+        raise ValueError(f"allocate_key_bits takes codebooks of one width in the natural pair order (its "
+                         f"errors are scored per RoPE pair), these are {books.recipe}")
+    if per_head_order and books.granularity == "shared":
+        raise ValueError("a pair order per layer and KV head needs codebooks per layer (granularity 'layer' with "
+                         "one KV head, or 'layer_head'), these are 'shared'")
     if per_head_order and books.key.centroids.shape[1] != keys.shape[1]:
         raise ValueError(f"a pair order per KV head needs key codebooks per KV head (granularity layer_head), "
                          f"these have {books.key.centroids.shape[1]} group(s) for {keys.shape[1]} KV heads")
@@ -213,8 +229,7 @@ def allocate_key_bits(books: PQCodebooks, by_width: Mapping[int, np.ndarray], ke
         slot, perm = shared_width_allocation(err.reshape(L * H, P, W), start)
         perm = perm.reshape(L, H, P)
         bits = [widths[i] for i in slot]
-        pair_bits = np.empty((L, H, P), np.int64)  # the width of each (layer, head, pair) in natural order
-        np.put_along_axis(pair_bits, perm, np.broadcast_to(np.asarray(bits), (L, H, P)), axis=-1)
+        pair_bits = widths_in_pair_order(bits, perm)  # the width of each (layer, head, pair) in natural order
         cents = np.take_along_axis(pad_centroids(by_width, pair_bits), perm[..., None, None], axis=2)
         out = dataclasses.replace(books, key=Codebooks(cents)).with_key_pair_order(perm).with_key_parts(runs(bits))
         spent = float(err[np.arange(L)[:, None, None], np.arange(H)[None, :, None], perm, np.asarray(slot)].sum())

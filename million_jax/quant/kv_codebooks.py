@@ -244,14 +244,7 @@ class PQCodebooks:
             raise ValueError(f"key_pair_order is for pre-RoPE keys with one RoPE pair per sub-space and one stage, "
                              f"these codebooks are {self.recipe}")
         o = np.asarray(order)
-        want = tuple(self.key.centroids.shape[:2]) + (self.key_M,)
-        if o.shape != want or not np.issubdtype(o.dtype, np.integer):
-            raise ValueError(f"key_pair_order must be int[L, G, M] = {list(want)} (the key codebooks' layers, groups "
-                             f"and sub-spaces), got {o.dtype}{list(o.shape)}")
-        bad = np.argwhere((np.sort(o, axis=-1) != np.arange(self.key_M)).any(-1))
-        if bad.size:
-            raise ValueError(f"key_pair_order[{bad[0][0]}, {bad[0][1]}] is not a permutation of the {self.key_M} "
-                             f"RoPE pairs")
+        _check_pair_order(o, tuple(self.key.centroids.shape[:2]), self.key_M, self.granularity)
         return dataclasses.replace(self, key_pair_order=jnp.asarray(o, jnp.int32))
 
     @property
@@ -294,7 +287,7 @@ class PQCodebooks:
         if self.rope_inv_freq is None:
             return None
         if self.key_pair_order is not None:
-            return jnp.asarray(self.rope_inv_freq, jnp.float32)[self.key_pair_order][..., None]
+            return rope.ordered_freqs(self.rope_inv_freq, self.key_pair_order)
         freqs = rope.subspace_freqs(self.rope_inv_freq, self.key_rope_pairs)
         return jnp.tile(jnp.asarray(freqs), (self.stages, 1))  # a constant under jit
 
@@ -409,6 +402,30 @@ class PQCodebooks:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [L={l}, 1 or Hkv={num_kv_heads}, "
                                  f"{head_dim}, {head_dim}]")
         o = self.key_pair_order
-        if o is not None and tuple(o.shape) != (l, g, self.key_M):
-            raise ValueError(f"key_pair_order has shape {tuple(o.shape)}, expected [L={l}, G={g}, M={self.key_M}]")
+        if o is not None:  # set by with_key_pair_order, unless replaced since (dataclasses.replace, a tree map)
+            if self.rope_inv_freq is None or self.key_rope_pairs != 1 or self.stages != 1:
+                raise ValueError(f"key_pair_order is for pre-RoPE keys with one RoPE pair per sub-space and one "
+                                 f"stage, these codebooks are {self.recipe}")
+            _check_pair_order(o, (l, g), self.key_M, self.granularity)
         return self
+
+
+def _check_pair_order(order, groups: tuple[int, int], num_subspaces: int, granularity: str) -> None:
+    """ValueError unless ``order`` is int[L, G, M] (``groups`` = (L, G)) with every row a permutation
+    of the M RoPE pairs, the same in every layer for ``"shared"`` codebooks (whose file keeps one
+    layer's centroids). Values are checked only when the array is concrete."""
+    want = tuple(groups) + (num_subspaces,)
+    shape, dtype = tuple(getattr(order, "shape", ())), getattr(order, "dtype", None)
+    if shape != want or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"key_pair_order must be int[L, G, M] = {list(want)} (the key codebooks' layers, groups "
+                         f"and sub-spaces), got {dtype}{list(shape)}")
+    if isinstance(order, jax.core.Tracer):
+        return
+    o = np.asarray(order)
+    bad = np.argwhere((np.sort(o, axis=-1) != np.arange(num_subspaces)).any(-1))
+    if bad.size:
+        raise ValueError(f"key_pair_order[{bad[0][0]}, {bad[0][1]}] is not a permutation of the {num_subspaces} "
+                         f"RoPE pairs")
+    if granularity == "shared" and (o != o[:1]).any():
+        raise ValueError("key_pair_order differs between layers but the codebooks are 'shared' (one set for every "
+                         "layer): use codebooks per layer or per layer and head")

@@ -141,6 +141,17 @@ def test_calibrate_bits_reports_counts_and_eta(cli, tiny_dir, tiny, tmp_path, mo
         assert sum(widths) == 8 * len(widths)
 
 
+def test_calibrate_bits_refuses_a_granularity_its_recipe_cannot_fit_before_calibrating(cli, tiny_dir, tiny, tmp_path):
+    """--bits 4 fits a pair order per layer and KV head (LLaMA family): --granularity layer on a model of
+    several KV heads is refused by name before the calibration forward, and no file is written."""
+    assert tiny.config.n_kv_heads > 1 and RECIPES[recipe_for_bits(4, "pre").name].pair_order
+    out = tmp_path / "b.safetensors"
+    res = cli("calibrate", "--model", tiny_dir, "--text", "builtin:calib", "--tokens", 512, "--window", 512,
+              "--bits", 4, "--granularity", "layer", "--iters", 1, "--max-vectors", 512, "--out", out)
+    assert res.rc == 2 and "granularity layer_head, or layer with one KV head), got layer" in res.err, res.err
+    assert "calibration forward" not in res.err and not out.exists()
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(rope="mid"), "rope must be 'pre' or 'post'"),
     (dict(key_dsub=0), "key_dsub must be an integer >= 1, got 0"),
@@ -270,5 +281,5 @@ def test_pair_order_recipe_orders_each_heads_pairs(tiny):
     assert cache.layer_consts(books) is books
     with pytest.raises(UsageError, match="give pair_widths too"):
         dataclasses.replace(recipe, pair_widths=None)
-    with pytest.raises(UsageError, match="codebooks per KV head"):
+    with pytest.raises(UsageError, match="codebooks per layer and KV head"):
         fit_recipe(recipe, tiny, k, v, gram, count, iters=1, max_vectors=512, granularity="layer")

@@ -139,6 +139,19 @@ def test_pair_order_roundtrip_and_bad_orders(tmp_path):
     save_kv_codebooks(path, dataclasses.replace(books, key_pair_order=jnp.asarray(bad)))
     with pytest.raises(CodebookFileError, match="not a permutation"):
         load_kv_codebooks(path)
+    # an order put in place without with_key_pair_order is checked where codebooks meet a model
+    L, G = books.key.centroids.shape[:2]
+    for wrong, match in ((jnp.asarray(bad), "not a permutation"),
+                         (jnp.asarray(books.key_pair_order, jnp.float32), "must be int")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(books, key_pair_order=wrong).check(L, G, books.head_dim)
+    # 'shared' codebooks keep one layer's centroids in their file: one order for every layer
+    shared = dataclasses.replace(books, granularity="shared", key_pair_order=None)
+    one = np.broadcast_to(np.asarray(books.key_pair_order)[:1], (L,) + np.shape(books.key_pair_order)[1:])
+    assert np.array_equal(np.asarray(shared.with_key_pair_order(one).key_pair_order), one)
+    if L > 1 and not (np.asarray(books.key_pair_order) == one).all():
+        with pytest.raises(ValueError, match="differs between layers"):
+            shared.with_key_pair_order(np.asarray(books.key_pair_order))
 
 
 def test_bad_layouts_are_named():

@@ -5,6 +5,8 @@ against a plain numpy reference; ``allocate_key_bits`` keeps the mean width and 
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 
 import jax.numpy as jnp
@@ -191,6 +193,14 @@ def test_allocate_key_bits_with_a_pair_order_per_head():
                          ).with_pre_rope_keys(rope.rope_inv_freq(d, 100.0))
     with pytest.raises(ValueError, match="codebooks per KV head"):
         allocate_key_bits(shared, *args, per_head_order=True)
+    everywhere = dataclasses.replace(shared, granularity="shared")
+    with pytest.raises(ValueError, match="these are 'shared'"):
+        allocate_key_bits(everywhere, *args, per_head_order=True)
+    glob_books = allocate_key_bits(base, *args)[0]
+    ordered_only = base.with_key_pair_order(np.asarray(books.key_pair_order))  # an order, one width
+    for done in (books, glob_books, ordered_only):  # already allocated: its errors are not per natural pair
+        with pytest.raises(ValueError, match="one width in the natural pair order"):
+            allocate_key_bits(done, *args)
 
 
 def test_value_output_energy_is_the_output_error_of_isotropic_subspace_errors():

@@ -114,6 +114,29 @@ def test_public_entry_refuses_codes_that_do_not_fit_on_every_path():
             pq_dispatch.pq_code_attention(q, kc[..., :-1], vc, kb, vb, lo, hi, impl=impl)
 
 
+def test_public_entry_checks_rope_frequencies_on_every_path():
+    """Per-head RoPE frequencies of pre-RoPE keys are checked on the kernel path too: a head count that
+    is neither 1 nor Hkv, or a frequency <= 0, is an error by name (the kernel would read past its
+    block or rotate silently wrong); valid per-head frequencies give the same answer on both paths."""
+    rng = np.random.default_rng(4)
+    m, k = 16, 16  # the kernel rotates pre-RoPE keys with M >= 16 sub-spaces (2-dim: one RoPE pair each)
+    q = jnp.asarray(rng.normal(size=(B, 1, HKV * G, 2 * m)), jnp.float32)
+    kb, vb = (jnp.asarray(rng.normal(size=(HKV, m, k, 2)), jnp.float32) for _ in range(2))
+    kc, vc = (jnp.asarray(rng.integers(0, k, size=(B, HKV, N, m)), jnp.uint8) for _ in range(2))
+    lo = jnp.asarray(rng.integers(0, 4, size=(B, 1)), jnp.int32)
+    hi = jnp.asarray(rng.integers(8, N + 1, size=(B, 1)), jnp.int32)
+    inv = jnp.asarray(np.geomspace(1.0, 1e-2, m)[None, :, None] * np.array([1.0, 0.5])[:, None, None], jnp.float32)
+    for impl in ("pallas", "xla"):
+        with pytest.raises(ValueError, match=r"rope_inv_freq must be .*per KV head.*got float32\[3, 16, 1\]"):
+            pq_dispatch.pq_code_attention(q, kc, vc, kb, vb, lo, hi, impl=impl,
+                                          rope_inv_freq=jnp.concatenate([inv, inv[:1]]))
+        with pytest.raises(ValueError, match="finite and > 0.*KV head 1, sub-space 0"):
+            pq_dispatch.pq_code_attention(q, kc, vc, kb, vb, lo, hi, impl=impl, rope_inv_freq=inv.at[1, 0, 0].set(-1.0))
+    outs = [pq_dispatch.pq_code_attention(q, kc, vc, kb, vb, lo, hi, impl=impl, rope_inv_freq=inv)[0]
+            for impl in ("pallas", "xla")]
+    np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), rtol=3e-2, atol=3e-2)
+
+
 def test_auto_off_gpu_never_computes_the_kernel_blocker(monkeypatch):
     if jax.default_backend() == "gpu":
         pytest.skip("impl='auto' on a GPU plans the kernel by design")
