@@ -188,11 +188,13 @@ def plot(res, dense, path, preset=None, text: str = "builtin:eval") -> None:
 
     preset = preset or model_preset("smollm2")
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=False)
+    protocols = [p for p in ("all", "realistic") if any(q == p for q, _ in res)] or ["all"]  # panels with rows
+    fig, axes = plt.subplots(1, len(protocols), figsize=(6.5 * len(protocols), 5), sharey=False, squeeze=False)
+    axes = axes[0]
     style = {"pq": ("tab:blue", "o"), "pq+norms": ("tab:purple", "D"), "pq+unit": ("tab:brown", "P"),
              "pq+g2": ("tab:cyan", "*"), "turboquant": ("tab:orange", "s"), "turboquant+qjl": ("tab:red", "x"),
              "kivi": ("tab:green", "^")}
-    for ax, protocol in zip(axes, ("all", "realistic")):
+    for ax, protocol in zip(axes, protocols):
         for fam, (color, marker) in style.items():
             pts = sorted((r["storage_bits_per_element"], r["ppl"], n) for (p, n), r in res.items()
                          if p == protocol and family(n) == fam)
