@@ -189,12 +189,12 @@ def pq_code_attention(
     """
     if check_codes:
         check_code_fit(q.shape[-1], k_codes, v_codes, k_books, v_books, k_parts)
-    if rope_inv_freq is not None:  # both paths: the kernel's planned entry does not check it again
-        check_rope_inv_freq(rope_inv_freq, k_books.shape[1], k_books.shape[3], k_codes.shape[1])
     shapes = [None if x is None else jax.ShapeDtypeStruct(tuple(x.shape[:-1]), x.dtype) for x in (k_scales, v_scales)]
     plan = kernel_plan(impl, q, k_codes, v_codes, k_books, v_books, mesh, rope=rope_inv_freq is not None,
                        k_scales=shapes[0], v_scales=shapes[1], k_parts=k_parts)
     if plan is not None:
+        if rope_inv_freq is not None:  # the kernel's planned entry does not check it (the xla path does)
+            check_rope_inv_freq(rope_inv_freq, k_books.shape[1], k_books.shape[3], k_codes.shape[1])
         k_codes, v_codes = as_array(k_codes), as_array(v_codes)
         ks, vs = (None if x is None else as_array(x)[..., 0] for x in (k_scales, v_scales))
         out, lse = _kernel(plan, q[:, 0], k_codes, v_codes, k_books, v_books, lo[:, 0],

@@ -240,12 +240,34 @@ class PQCodebooks:
         must already be in that order. Only for pre-RoPE keys with one pair per sub-space, one stage."""
         if order is None:
             return dataclasses.replace(self, key_pair_order=None)
+        o = np.asarray(order)
+        self._check_key_pair_order(o)
+        return dataclasses.replace(self, key_pair_order=jnp.asarray(o, jnp.int32))
+
+    def _check_key_pair_order(self, order) -> None:
+        """ValueError unless ``order`` can be these codebooks' key_pair_order: pre-RoPE keys with one
+        RoPE pair per sub-space and one stage; int[L, G, M] of the key codebooks' layers and groups,
+        every row a permutation of the M RoPE pairs, the same in every layer for ``"shared"``
+        codebooks (whose file keeps one layer's centroids). Values are checked only when the array
+        is concrete."""
         if self.rope_inv_freq is None or self.key_rope_pairs != 1 or self.stages != 1:
             raise ValueError(f"key_pair_order is for pre-RoPE keys with one RoPE pair per sub-space and one stage, "
                              f"these codebooks are {self.recipe}")
+        m = self.key_M
+        want = tuple(self.key.centroids.shape[:2]) + (m,)
+        shape, dtype = tuple(getattr(order, "shape", ())), getattr(order, "dtype", None)
+        if shape != want or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(f"key_pair_order must be int[L, G, M] = {list(want)} (the key codebooks' layers, groups "
+                             f"and sub-spaces), got {dtype}{list(shape)}")
+        if isinstance(order, jax.core.Tracer):
+            return
         o = np.asarray(order)
-        _check_pair_order(o, tuple(self.key.centroids.shape[:2]), self.key_M, self.granularity)
-        return dataclasses.replace(self, key_pair_order=jnp.asarray(o, jnp.int32))
+        bad = np.argwhere((np.sort(o, axis=-1) != np.arange(m)).any(-1))
+        if bad.size:
+            raise ValueError(f"key_pair_order[{bad[0][0]}, {bad[0][1]}] is not a permutation of the {m} RoPE pairs")
+        if self.granularity == "shared" and (o != o[:1]).any():
+            raise ValueError("key_pair_order differs between layers but the codebooks are 'shared' (one set for "
+                             "every layer): use codebooks per layer or per layer and head")
 
     @property
     def key_code_bits(self) -> int:
@@ -403,29 +425,5 @@ class PQCodebooks:
                                  f"{head_dim}, {head_dim}]")
         o = self.key_pair_order
         if o is not None:  # set by with_key_pair_order, unless replaced since (dataclasses.replace, a tree map)
-            if self.rope_inv_freq is None or self.key_rope_pairs != 1 or self.stages != 1:
-                raise ValueError(f"key_pair_order is for pre-RoPE keys with one RoPE pair per sub-space and one "
-                                 f"stage, these codebooks are {self.recipe}")
-            _check_pair_order(o, (l, g), self.key_M, self.granularity)
+            self._check_key_pair_order(o)
         return self
-
-
-def _check_pair_order(order, groups: tuple[int, int], num_subspaces: int, granularity: str) -> None:
-    """ValueError unless ``order`` is int[L, G, M] (``groups`` = (L, G)) with every row a permutation
-    of the M RoPE pairs, the same in every layer for ``"shared"`` codebooks (whose file keeps one
-    layer's centroids). Values are checked only when the array is concrete."""
-    want = tuple(groups) + (num_subspaces,)
-    shape, dtype = tuple(getattr(order, "shape", ())), getattr(order, "dtype", None)
-    if shape != want or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
-        raise ValueError(f"key_pair_order must be int[L, G, M] = {list(want)} (the key codebooks' layers, groups "
-                         f"and sub-spaces), got {dtype}{list(shape)}")
-    if isinstance(order, jax.core.Tracer):
-        return
-    o = np.asarray(order)
-    bad = np.argwhere((np.sort(o, axis=-1) != np.arange(num_subspaces)).any(-1))
-    if bad.size:
-        raise ValueError(f"key_pair_order[{bad[0][0]}, {bad[0][1]}] is not a permutation of the {num_subspaces} "
-                         f"RoPE pairs")
-    if granularity == "shared" and (o != o[:1]).any():
-        raise ValueError("key_pair_order differs between layers but the codebooks are 'shared' (one set for every "
-                         "layer): use codebooks per layer or per layer and head")

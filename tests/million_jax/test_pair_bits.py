@@ -6,7 +6,6 @@ against a plain numpy reference; ``allocate_key_bits`` keeps the mean width and 
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 
 import jax.numpy as jnp
