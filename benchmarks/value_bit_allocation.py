@@ -35,9 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from million_app.calibrate import calibration_kvq, codebook_metadata, load_model_codebooks, save_model_codebooks
-from million_app.flags import load_text
-from million_app.loading import open_model, tokenize
+from _value_base import add_value_base_args, calibration_values, command_line, open_value_base
+from million_app.calibrate import codebook_metadata, save_model_codebooks
 from million_jax.calibration.fit import fit_value_centroids
 from million_jax.calibration.pair_bits import (greedy_allocation, pad_centroids, shared_width_allocation,
                                                subspace_error, value_output_energy, widths_in_pair_order)
@@ -47,28 +46,15 @@ from million_jax.quant.pq import Codebooks
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", required=True, help="a calibrate file with 2-dim value sub-spaces, one stage")
-    p.add_argument("--model", default="smollm2")
+    add_value_base_args(p)
     p.add_argument("--widths", default="6,7,8,9,10")
-    p.add_argument("--calib", default="builtin:calib")
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--iters", type=int, default=25)
-    p.add_argument("--max-vectors", type=int, default=65536)
-    p.add_argument("--sample", type=int, default=4096, help="calibration values per (layer, head) the errors use")
-    p.add_argument("--out-dir", required=True)
-    p.add_argument("--json", required=True)
     a = p.parse_args()
-    model = open_model(a.model)
+    model, base, meta = open_value_base(a)
     c = model.config
-    base, meta = load_model_codebooks(a.base, model)
-    if base.value.centroids.shape[-1] != 2 or base.stages != 1 or base.value_transform is not None:
-        raise SystemExit("--base must hold values in 2-dim sub-spaces, one stage, no value transform")
     widths = sorted(int(w) for w in a.widths.split(","))
     if widths != list(range(widths[0], widths[-1] + 1)) or base.value_nbits not in widths:
         raise SystemExit(f"--widths must be consecutive and hold the base's value width {base.value_nbits}")
-    _, v, _, _, used = calibration_kvq(model, tokenize(model, load_text(a.calib, "--calib")), tokens=a.tokens,
-                                       window=512, key_rope=base.key_rope)
+    v, used = calibration_values(a, model, base)
     unit = base.unit_codes and base.value_norms
     centroids = {base.value_nbits: np.asarray(base.value.centroids)}
     for w in widths:
@@ -93,8 +79,7 @@ def main() -> None:
         return float(np.take_along_axis(err, index[..., None], -1).sum())
 
     uniform = total(np.full((L, H, P), start))
-    report = {"command": "PYTHONPATH=. python benchmarks/value_bit_allocation.py " + " ".join(
-        f"--{k_.replace('_', '-')} {v_}" for k_, v_ in vars(a).items()),
+    report = {"command": command_line("value_bit_allocation.py", a),
         "widths": widths, "calib_tokens": used,
         "shared_slot_bits": [widths[i] for i in slot],
         "global_bits": [widths[i] for i in glob[0, 0]],

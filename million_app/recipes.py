@@ -31,6 +31,11 @@ A recipe is what ``million-jax calibrate --bits B`` fits without the user choosi
     pair_order                with pair_widths: one width per key sub-space for the model, and each
                               (layer, KV head) puts its own RoPE pairs into those sub-spaces
                               (``PQCodebooks.key_pair_order``; codebooks per KV head)
+    value_pca                 values (2-dim sub-spaces) coded in their principal axes per layer
+                              and KV head, the i-th widest axis paired with the i-th narrowest
+                              (:func:`million_jax.quant.kv_transforms.value_pca_transform`, held as
+                              the codebooks' value transform, an orthogonal matrix); not with
+                              output_aware
 
 Stored bits per element (keys and values together) = stages * (key_nbits / key_dsub +
 value_nbits / value_dsub) / 2. ``BEST_FOR_BITS`` holds, per budget, the recipe that measured
@@ -70,7 +75,7 @@ from million_jax.calibration.fit import (DEFAULT_MAX_VECTORS, GROUPS_PER_FIT, co
                                          fit_pair_key_centroids, fits_needed)
 from million_jax.calibration.pair_bits import allocate_key_bits
 from million_jax.calibration.finetune import FinetuneSettings, finetune_codebooks
-from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform
+from million_jax.quant.kv_transforms import output_value_transform, query_aware_key_transform, value_pca_transform
 from million_jax.quant.kv_codebooks import PQCodebooks, unit_vectors
 from million_jax.quant.pq import check_nbits
 from models.decoder import rope_inv_freq
@@ -96,6 +101,7 @@ class Recipe:
     unit: bool = False
     pair_widths: tuple[int, int] | None = None
     pair_order: bool = False
+    value_pca: bool = False
 
     def __post_init__(self) -> None:
         def fail(what: str) -> None:
@@ -105,7 +111,7 @@ class Recipe:
             fail(f"name must be a non-empty string, got {self.name!r}")
         if self.rope not in ("pre", "post"):
             fail(f"rope must be 'pre' or 'post', got {self.rope!r}")
-        for field in ("norms", "unit", "pair_order"):
+        for field in ("norms", "unit", "pair_order", "value_pca", "output_aware", "query_aware"):
             if not isinstance(getattr(self, field), bool):
                 fail(f"{field} must be a bool, got {getattr(self, field)!r}")
         if self.unit and not self.norms:
@@ -132,6 +138,9 @@ class Recipe:
                      "and no fine-tuning")
         if self.pair_order and self.pair_widths is None:
             fail("pair_order orders each KV head's pairs into the widths of pair_widths: give pair_widths too")
+        if self.value_pca and (self.output_aware or self.value_dsub != 2 or self.finetune_steps):
+            fail("value_pca pairs principal axes of the values into 2-dim value sub-spaces: it needs "
+                 "value_dsub=2, and takes the place of output_aware (one value transform); no fine-tuning")
 
     @property
     def finetune(self) -> FinetuneSettings | None:
@@ -156,7 +165,9 @@ class Recipe:
 
         text = "; ".join((part("keys", self.key_dsub, self.key_nbits, "query-aware" if self.query_aware else None),
                           part("values", self.value_dsub, self.value_nbits,
-                               "output-aware" if self.output_aware else None)))
+                               "output-aware" if self.output_aware else
+                               "in principal axes, widest paired with narrowest" if self.value_pca
+                               else None)))
         text += f"; keys quantized {'before' if self.rope == 'pre' else 'after'} RoPE"
         if self.rope == "pre" and self.key_dsub > 2:
             text += f" ({self.key_dsub // 2} RoPE pairs per key sub-vector)"
@@ -238,6 +249,11 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     # them (PQCodebooks.key_pair_order): the per-head freedom at the cost of a frequency per head;
     # `calibrate --bits 4` since 2026-12-07 (BEST_FOR_BITS)
     Recipe("pq4-pre-nu-po", 2, 8, 2, 8, rope="pre", norms=True, unit=True, pair_widths=(6, 10), pair_order=True),
+    # the same, values coded in a paired principal basis per (layer, KV head)
+    # (million_jax.quant.kv_transforms.value_pca_transform). Measured 2026-12-07, not adopted: -0.1
+    # point of perplexity, but the needle grid loses (frontier/key_bits/README.md (6))
+    Recipe("pq4-pre-nu-po-vp", 2, 8, 2, 8, rope="pre", norms=True, unit=True, pair_widths=(6, 10), pair_order=True,
+           value_pca=True),
 )}
 
 # key_rope -> bits per element -> recipe name, the measured best per budget (module docstring,
@@ -444,6 +460,8 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
         with counting(f"k-means ({recipe.name})", "fit") as report:
             if recipe.unit:  # NEQ: the codebooks code directions, the stored scale the norm
                 k, v = unit_vectors(k), unit_vectors(v)
+            if recipe.value_pca:  # the basis of the values as the codebooks code them
+                vt = value_pca_transform(v)
             books = fit_kv_codebooks(k, v, **recipe.budgets(c.head_dim), granularity=granularity,
                                      key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
                                      key_transform=kt, value_transform=vt, stages=recipe.stages,

@@ -126,6 +126,14 @@ def per_layer_centroids(c, granularity: str, num_layers: int | None) -> jax.Arra
 _TRANSFORMS = ("key_transform", "query_transform", "value_transform", "output_transform")
 
 
+def _is_orthogonal(t) -> bool:
+    """Whether every matrix of the concrete t float[..., d, d] is orthogonal (to 1e-4)."""
+    if isinstance(t, jax.core.Tracer):
+        return False
+    a = np.asarray(t, np.float64)
+    return bool(np.allclose(a @ np.swapaxes(a, -1, -2), np.eye(a.shape[-1]), atol=1e-4))
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "value", *_TRANSFORMS, "key_pair_order"],
                    meta_fields=["granularity", "stages", "rope_inv_freq", "key_norms", "value_norms",
                                 "unit_codes", "key_parts"])
@@ -367,14 +375,15 @@ class PQCodebooks:
 
     @property
     def recipe(self) -> str:
-        """A short name of the budget and transforms, e.g. ``K32x8 V16x8 qa``."""
+        """A short name of the budget and transforms, e.g. ``K32x8 V16x8 qa`` (value transforms: ``vr``
+        orthogonal, ``ow`` any other)."""
         keys = (f"K{self.key_M}x{self.key_nbits}" if self.key_parts is None
                 else "K" + "+".join(f"{n}x{b}" for n, b in self.key_parts))
         name = f"{keys} V{self.value_M}x{self.value_nbits}"
         if self.key_transform is not None:
             name += " qa"
-        if self.value_transform is not None:
-            name += " ow"
+        if self.value_transform is not None:  # vr: a rotation (e.g. value_pca_transform), ow: output-aware
+            name += " vr" if _is_orthogonal(self.value_transform) else " ow"
         if self.stages > 1:
             name += f" r{self.stages}"
         if self.rope_inv_freq is not None:

@@ -1,4 +1,5 @@
-"""Per-head linear transforms of keys and values before PQ (query-aware keys, output-aware values).
+"""Per-head linear transforms of keys and values before PQ (query-aware keys, output-aware values,
+values in a paired principal basis).
 
 A PQ codebook fitted by k-means minimises ``||x - x_hat||^2``. What attention cares about is
 different:
@@ -10,6 +11,12 @@ different:
 * values: the error of the layer output ``sum_h Wo_h^T (v - v_hat)``. With
   ``B = (sum_h Wo_h Wo_h^T)^(1/2)`` over the query heads of a KV head, PQ is fitted on
   ``B v`` and the attention output read from codes is mapped back by ``B^-1``.
+* values, in a paired principal basis (:func:`value_pca_transform`): ``B = Pi U^T``, U the
+  principal axes of the values, ordered so that each 2-dim sub-space pairs the i-th widest axis
+  with the i-th narrowest (Pi). A 2-dim k-means sub-space shares its bits between its two axes by
+  itself, so pairing the widest with the narrowest spreads the variance evenly over the
+  sub-spaces: an allocation of bits across the axes without codes of several widths. B is
+  orthogonal (``B^-1 = B^T``, norms kept).
 
 Transforms are per-layer constants: float32[L, Gt, d, d] with Gt = Hkv (or 1: one for all
 heads), applied as ``y_h = T[h // (H / Gt)] @ x_h`` to head vectors.
@@ -21,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["sqrt_psd", "query_aware_key_transform", "output_gram", "output_value_transform", "apply_head_transform",
+__all__ = ["sqrt_psd", "query_aware_key_transform", "output_gram", "output_value_transform", "value_pca_transform",
+           "extreme_pairing", "apply_head_transform",
            "transform_rows", "check_transform", "inverse_transpose", "inverse"]
 
 # Eigenvalues are floored at this fraction of the mean eigenvalue (a never-seen direction
@@ -79,6 +87,33 @@ def output_value_transform(wo: np.ndarray, n_heads: int, n_kv_heads: int) -> np.
     wo: float[L, H*d, D] (the output projection, ``y = x @ wo``).
     """
     return sqrt_psd(output_gram(wo, n_heads, n_kv_heads))
+
+
+def extreme_pairing(d: int) -> np.ndarray:
+    """int[d]: axes ordered by decreasing variance (0 the widest) placed so that sub-space m of
+    dims (2m, 2m + 1) holds axes m and d - 1 - m."""
+    if d < 2 or d % 2:
+        raise ValueError(f"extreme_pairing needs an even d >= 2, got {d}")
+    m = np.arange(d // 2)
+    return np.stack([m, d - 1 - m], axis=1).reshape(-1)
+
+
+def value_pca_transform(values: np.ndarray) -> np.ndarray:
+    """B = Pi U^T per layer and KV head (module docstring): float32[L, Hkv, d, d], orthogonal.
+
+    values: float[L, Hkv, N, d], the calibration values as the codebooks will code them (unit
+    vectors for unit codes). U: eigenvectors of their second moment E[v v^T]; Pi:
+    :func:`extreme_pairing`. Weighting the values by the output projection first (``B_o v``, as
+    output-aware values) measured worse on SmolLM2 (benchmarks/results/frontier/key_bits/README.md (6)).
+    """
+    x = np.asarray(values, np.float64)
+    if x.ndim != 4 or x.shape[2] == 0:
+        raise ValueError(f"values must be float[L, Hkv, N >= 1, d], got shape {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError("value_pca_transform: the calibration values contain NaN/Inf")
+    _, u = np.linalg.eigh(np.einsum("lhni,lhnj->lhij", x, x) / x.shape[2])  # ascending eigenvalues
+    axes = u[..., ::-1][..., extreme_pairing(x.shape[-1])]  # columns: the axes in sub-space order
+    return np.swapaxes(axes, -1, -2).astype(np.float32)
 
 
 def check_transform(t, num_layers: int | None, head_dim: int, name: str) -> jax.Array:

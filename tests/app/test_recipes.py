@@ -163,6 +163,9 @@ def test_calibrate_bits_refuses_a_granularity_its_recipe_cannot_fit_before_calib
     (dict(name=""), "name must be a non-empty string"),
     (dict(pair_widths=(6, 10)), "pair_widths needs keys before RoPE"),
     (dict(rope="pre", pair_widths=(9, 10)), "pair_widths must be"),
+    (dict(value_pca=True, output_aware=True), "value_pca pairs principal axes"),
+    (dict(value_pca=True, value_dsub=4), "needs value_dsub=2"),
+    (dict(value_pca=1), "value_pca must be a bool"),
 ])
 def test_bad_recipe_is_refused_when_made(change, match):
     import dataclasses
@@ -283,3 +286,34 @@ def test_pair_order_recipe_orders_each_heads_pairs(tiny):
         dataclasses.replace(recipe, pair_widths=None)
     with pytest.raises(UsageError, match="codebooks per layer and KV head"):
         fit_recipe(recipe, tiny, k, v, gram, count, iters=1, max_vectors=512, granularity="layer")
+
+
+def test_value_pca_recipe_codes_values_in_the_paired_principal_basis(tiny):
+    """``value_pca``: the codebooks' value transform is value_pca_transform of the values they code
+    (unit vectors with unit codes), fitted on those transformed values; a cache reads the file."""
+    import dataclasses
+
+    from million_app.recipes import fit_recipe
+    from million_jax.cache.pq_cache import PQCache
+    from million_jax.quant.kv_codebooks import unit_vectors
+    from million_jax.quant.kv_transforms import value_pca_transform
+
+    c = tiny.config
+    L, h, d = c.n_global_layers, c.n_kv_heads, c.head_dim
+    rng = np.random.default_rng(2)
+    k = rng.normal(size=(L, h, 600, d)).astype(np.float32)
+    v = (rng.normal(size=(L, h, 600, d)) * np.geomspace(4.0, 0.1, d)).astype(np.float32)
+    gram, count = np.full((L, h, d, d), 0.0) + np.eye(d), np.full((L, h), 1)
+    recipe = dataclasses.replace(RECIPES["pq4-pre-nu-po-vp"], name="tiny-vp", key_nbits=3, value_nbits=3,
+                                 pair_widths=(2, 4))
+    books = fit_recipe(recipe, tiny, k, v, gram, count, iters=3, max_vectors=512)
+    want = value_pca_transform(unit_vectors(v))
+    np.testing.assert_allclose(np.asarray(books.value_transform), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(books.output_transform), np.swapaxes(want, -1, -2), atol=1e-4)
+    plain = fit_recipe(dataclasses.replace(recipe, name="tiny-novp", value_pca=False), tiny, k, v, gram, count,
+                       iters=3, max_vectors=512)
+    assert plain.value_transform is None
+    assert books.bits_per_element == plain.bits_per_element == pytest.approx(recipe.stored_bits(d))
+    assert "principal axes" in recipe.describe()
+    cache = PQCache.for_codebooks(books, 1, h, 16)
+    assert cache.layer_consts(books) is books

@@ -160,3 +160,53 @@ def test_codebook_file_keeps_budgets_and_transforms(tmp_path):
         _ = books.M
     with pytest.raises(ValueError, match="do not match the cache"):
         PQCache.create(L, B, HKV, T, D, M=4, nbits=3).layer_consts(books)
+
+
+def test_extreme_pairing_puts_the_ith_widest_beside_the_ith_narrowest():
+    from million_jax.quant.kv_transforms import extreme_pairing
+
+    for d in (2, 8, 64):
+        order = extreme_pairing(d)
+        assert sorted(order) == list(range(d))
+        pairs = order.reshape(-1, 2)
+        assert (pairs.sum(1) == d - 1).all() and (pairs[:, 0] == np.arange(d // 2)).all()
+    with pytest.raises(ValueError, match="even d"):
+        extreme_pairing(7)
+
+
+def test_value_pca_transform_decorrelates_and_pairs_the_axes():
+    """B = Pi U^T is orthogonal; the coded values B v have a diagonal second moment, sub-space m
+    holding the m-th widest and the m-th narrowest axis."""
+    from million_jax.quant.kv_transforms import value_pca_transform
+
+    rng = np.random.default_rng(3)
+    L, hkv, d, n = 2, 3, 6, 4000
+    mix = rng.normal(size=(L, hkv, d, d)) * np.geomspace(3.0, 0.05, d)  # correlated, spread values
+    v = np.einsum("lhij,lhnj->lhni", mix, rng.normal(size=(L, hkv, n, d)))
+    b = value_pca_transform(v)
+    assert b.shape == (L, hkv, d, d) and b.dtype == np.float32
+    np.testing.assert_allclose(b @ np.swapaxes(b, -1, -2), np.broadcast_to(np.eye(d), b.shape), atol=1e-5)
+    z = np.einsum("lhij,lhnj->lhni", b.astype(np.float64), v)
+    m2 = np.einsum("lhni,lhnj->lhij", z, z) / n
+    var = np.diagonal(m2, axis1=-2, axis2=-1)
+    assert np.abs(m2 - var[..., None] * np.eye(d)).max() < 1e-3 * var.max()
+    ranked = np.sort(var, axis=-1)[..., ::-1]  # widest first
+    np.testing.assert_allclose(var[..., 0::2], ranked[..., : d // 2], rtol=1e-4)
+    np.testing.assert_allclose(var[..., 1::2], ranked[..., ::-1][..., : d // 2], rtol=1e-4)
+    np.testing.assert_allclose(ranked.sum(-1), np.einsum("lhni,lhni->lh", v, v) / n, rtol=1e-6)  # all of it
+    with pytest.raises(ValueError, match="NaN"):
+        value_pca_transform(np.where(v > 2, np.nan, v))
+    with pytest.raises(ValueError, match=r"float\[L, Hkv, N >= 1, d\]"):
+        value_pca_transform(v[:, :, :0])
+
+
+def test_recipe_names_a_rotation_of_the_values_vr_and_any_other_value_transform_ow():
+    from million_jax.quant.kv_transforms import value_pca_transform
+
+    rng = np.random.default_rng(5)
+    books = _books(rng, 4, 4, 4, 4, transforms=False)
+    rot = value_pca_transform(rng.normal(size=(L, HKV, 50, D)) * np.geomspace(2.0, 0.1, D))
+    assert books.with_transforms(value_transform=rot).recipe.endswith(" vr")
+    wo = rng.normal(size=(L, H * D, 12))
+    assert books.with_transforms(value_transform=output_value_transform(wo, H, HKV)).recipe.endswith(" ow")
+    assert " vr" not in books.recipe and " ow" not in books.recipe
