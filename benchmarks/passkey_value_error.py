@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
-
 from million_app.calibrate import collect_model_kv, load_model_codebooks
 from million_app.loading import open_model, tokenize
 from million_app.passkey import NEEDLE, passkey_prompt
@@ -41,7 +39,6 @@ def main() -> None:
     digits = [i for i in span if any(ch.isdigit() for ch in model.tokenizer.decode([ids[i]]))]
     parts = {"needle": list(span), "digits": digits, "filler": list(range(64, start))}
     _, v = collect_model_kv(model, ids, window=len(ids), batch=1, key_rope="pre")
-    eye = np.broadcast_to(np.eye(v.shape[-1]), v.shape[:2] + (v.shape[-1],) * 2)
     report = {"command": "PYTHONPATH=. python benchmarks/passkey_value_error.py " + " ".join(a.codebooks) + " "
               + " ".join(f"--{k} {getattr(a, k)}" for k in ("model", "length", "depth", "key", "json")),
               "prompt_tokens": len(ids), "needle_start": start, "parts_tokens": {k: len(x) for k, x in parts.items()},
@@ -49,7 +46,7 @@ def main() -> None:
     for path in a.codebooks:
         books, _ = load_model_codebooks(path, model)
         row = {"codebooks": path, "recipe": books.recipe,
-               **{k: value_errors(books, v[:, :, pos], eye)["relative"] for k, pos in parts.items() if pos}}
+               **{k: value_errors(books, v[:, :, pos])["relative"] for k, pos in parts.items() if pos}}
         report["rows"].append(row)
         print(row, flush=True)
     with open(a.json, "w", encoding="utf-8") as f:

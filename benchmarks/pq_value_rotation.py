@@ -28,26 +28,14 @@ from million_app.recipes import RECIPES
 from million_jax import CacheSpec
 from million_jax.calibration.fit import fit_kv_codebooks
 from million_jax.quant.kv_transforms import query_aware_key_transform
-from million_jax.quant.pq import Codebooks, decode, encode
 from million_jax.quant.turboquant import layer_rotations
 from models.decoder import rope_inv_freq
+from value_basis import value_errors
 
 
 def value_error(books, v: np.ndarray) -> float:
-    """sum ||v - v_hat||^2 / sum ||v||^2 over (a sample of) the calibration values, transform included."""
-    vs = v[:, :, :2048]
-    num = den = 0.0
-    for layer in range(vs.shape[0]):
-        x = vs[layer]  # [Hkv, N, d]
-        t = None if books.value_transform is None else np.asarray(books.value_transform[layer])
-        xt = x if t is None else np.einsum("hij,hnj->hni", t, x)
-        cb = Codebooks(books.value.centroids[layer])
-        xh = np.asarray(decode(cb, encode(cb, xt)))
-        if t is not None:
-            xh = np.einsum("hij,hnj->hni", np.asarray(books.output_transform[layer]), xh)
-        num += float(np.sum((x - xh) ** 2))
-        den += float(np.sum(x * x))
-    return num / den
+    """sum ||v - v_hat||^2 / sum ||v||^2 over the first 2048 calibration values, transform included."""
+    return value_errors(books, v[:, :, :2048])["relative"]
 
 
 def main() -> None:

@@ -56,8 +56,9 @@ def basis(name: str, u: np.ndarray, wo: np.ndarray, n_heads: int, n_kv_heads: in
     return np.einsum("lhij,lhjk->lhik", value_pca_transform(transform_rows(u, bo)), bo).astype(np.float32)
 
 
-def value_errors(books, v: np.ndarray, gram: np.ndarray) -> dict[str, float]:
-    """Relative and output-weighted error of values v float[L, Hkv, N, d] as the cache codes them."""
+def value_errors(books, v: np.ndarray, gram: np.ndarray | None = None) -> dict[str, float]:
+    """Relative error of values v float[L, Hkv, N, d] as the cache codes them (value transform, unit
+    codes, norms), and with ``gram`` float[L, Hkv, d, d] (``output_gram``) the output-weighted one."""
     num = den = weighted = 0.0
     for layer in range(v.shape[0]):
         x = v[layer]
@@ -73,8 +74,12 @@ def value_errors(books, v: np.ndarray, gram: np.ndarray) -> dict[str, float]:
         e = x.astype(np.float64) - xh
         num += float(np.sum(e ** 2))
         den += float(np.sum(x.astype(np.float64) ** 2))
-        weighted += float(np.einsum("hni,hij,hnj->", e, gram[layer], e)) / (x.shape[0] * x.shape[1])
-    return {"relative": num / den, "output_weighted": weighted / v.shape[0]}
+        if gram is not None:
+            weighted += float(np.einsum("hni,hij,hnj->", e, gram[layer], e)) / (x.shape[0] * x.shape[1])
+    out = {"relative": num / den}
+    if gram is not None:
+        out["output_weighted"] = weighted / v.shape[0]
+    return out
 
 
 def main() -> None:
