@@ -15,7 +15,7 @@ only for the part under test:
   ``--sink-int8`` adds a row with those S rows rounded to 8-bit per-token integers (a bf16
   scale and zero per row, as ``--cache uniform --uniform-mode token`` stores them) instead,
 * ``--norm-explicit``: norm-explicit PQ with today's codebooks, i.e. each reconstruction rescaled
-  to the vector's own norm stored in bf16 beside the codes (``x_hat * |x| / |x_hat|``; RoPE keeps
+  to the vector's own norm by a 16-bit scale stored beside the codes (``x_hat * |x| / |x_hat|``; RoPE keeps
   norms, so pre-RoPE keys are rescaled alike): rows with keys and values rescaled and with keys
   only (and, with ``--sinks``, both rescaled plus the S exact first rows). The norms cost 16 bits
   per vector (+16 / d b/elem for each of keys and values).
@@ -48,6 +48,7 @@ from million_app.perplexity import eval_windows, window_nll
 from million_jax import rope
 from million_jax.cache.base import register_cache
 from million_jax.cache.dense import DenseCache, DenseLayer
+from million_jax.cache.pq_cache import norm_scale
 from million_jax.quant.kv_codebooks import PQCodebooks, unit_vectors
 from million_jax.quant.kv_transforms import apply_head_transform
 from million_jax.quant.pq import Codebooks
@@ -97,10 +98,9 @@ def int8_rows(x: jax.Array) -> jax.Array:
 
 
 def with_norm_of(x: jax.Array, x_hat: jax.Array) -> jax.Array:
-    """x_hat float[..., d] rescaled to the norm of x (stored in bf16): norm-explicit PQ."""
-    norm = jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
-    norm = norm.astype(jnp.bfloat16).astype(jnp.float32)
-    return x_hat * (norm / jnp.maximum(jnp.linalg.norm(x_hat, axis=-1, keepdims=True), 1e-30))
+    """x_hat float[..., d] times the scale the PQ cache stores beside its codes
+    (``pq_cache.norm_scale``: |x| / |x_hat|, rounded as the cache rounds it): norm-explicit PQ."""
+    return x_hat * norm_scale(x, x_hat).astype(jnp.float32)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"],

@@ -10,7 +10,7 @@ tokens (the exact count is reported).
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -55,8 +55,9 @@ def key_tokens(model: LoadedModel, key: int) -> list[int]:
 
 
 def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[int],
-               spec: CacheSpec, batch: int, prefill_chunk: int | None = None, *,
-               score: bool = True) -> list[dict[str, Any]]:
+               spec: CacheSpec | None, batch: int, prefill_chunk: int | None = None, *,
+               score: bool = True,
+               make_cache: Callable[[int, int], tuple[Any, Any]] | None = None) -> list[dict[str, Any]]:
     """Greedy answers to every prompt through ``spec``, ``batch`` prompts per generate call, each
     prompt prefilled in forwards of ``prefill_chunk`` tokens (None: one forward).
 
@@ -83,7 +84,8 @@ def run_trials(model: LoadedModel, prompts: Sequence[list[int]], keys: Sequence[
         for j, (p, a) in enumerate(zip(group, group_answers)):
             toks[j, : len(p)] = p
             forced[j, : len(a)] = a
-        cache, consts = caches.build(spec, cfg, batch, width + max(ANSWER_TOKENS, forced_width))
+        max_len = width + max(ANSWER_TOKENS, forced_width)
+        cache, consts = make_cache(batch, max_len) if make_cache else caches.build(spec, cfg, batch, max_len)
         res = generate(cfg, model.params, cache, jnp.asarray(toks),
                        jnp.asarray([len(p) for p in group], jnp.int32),
                        max_new_tokens=ANSWER_TOKENS, cache_consts=consts, prefill_chunk=prefill_chunk,

@@ -9,7 +9,7 @@ State (``PQLayer``, stacked over layers; a registered dataclass pytree donated a
                        ``PQCodebooks.key_parts``, in that layout: uint8[..., parts_width])
     sink_k, sink_v:    float[L, B, Hkv, S, d]              first S tokens, exact
     ring_k, ring_v:    float[L, B, Hkv, W, d]              last W tokens, exact (slot = pos % W)
-    k_scales, v_scales: bfloat16[L, B, Hkv, T_max, 1] or None  norm-explicit codebooks only
+    k_scales, v_scales: float16[L, B, Hkv, T_max, 1] or None  norm-explicit codebooks only
                        (``PQCodebooks.key_norms`` / ``value_norms``): |x| / |x_hat| per token,
                        multiplying its score / value wherever codes are read
     lengths:           int32[B]                            (on the PQCache)
@@ -71,7 +71,7 @@ from pallas_kernels.pq_math import gather_centroids, pair_freqs
 from pallas_kernels.pq_math import rope_cos_sin as code_rope_cos_sin
 from pallas_kernels.softmax import merge_partials
 
-__all__ = ["PQCache", "PQLayer", "norm_scales"]
+__all__ = ["PQCache", "PQLayer", "norm_scale", "norm_scales"]
 
 
 @functools.partial(
@@ -212,7 +212,7 @@ def _encode(books: Codebooks, x: jax.Array, transform: jax.Array | None, stages:
 
 
 def norm_scales(x: jax.Array, decoded: jax.Array, inverse: jax.Array | None, stages: int) -> jax.Array:
-    """Norm-explicit PQ: |x| / |x_hat| per vector, bfloat16[B, T, Hkv, 1] (1 where x_hat is 0).
+    """Norm-explicit PQ: |x| / |x_hat| per vector, float16[B, T, Hkv, 1] (:func:`norm_scale`).
 
     x float[B, T, Hkv, d] as encoded (before any transform); decoded float32[B, Hkv, T, S * d] the
     gathered codes of its S stages (transformed space); inverse: the transform's inverse
@@ -221,9 +221,16 @@ def norm_scales(x: jax.Array, decoded: jax.Array, inverse: jax.Array | None, sta
     rec = jnp.swapaxes(fold_output(decoded, stages), 1, 2)  # the stages summed: [B, T, Hkv, d]
     if inverse is not None:
         rec = apply_head_transform(rec, inverse)
+    return norm_scale(x, rec)
+
+
+def norm_scale(x: jax.Array, x_hat: jax.Array) -> jax.Array:
+    """|x| / |x_hat| float16[..., 1] of x, x_hat float[..., d] in the same space: the stored scale
+    (1 where x_hat is 0; clipped to float16's largest finite value, never inf)."""
     num = jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
-    den = jnp.linalg.norm(rec, axis=-1, keepdims=True)
-    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0).astype(NORM_SCALE_DTYPE)
+    den = jnp.linalg.norm(x_hat.astype(jnp.float32), axis=-1, keepdims=True)
+    ratio = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0)
+    return jnp.minimum(ratio, float(jnp.finfo(NORM_SCALE_DTYPE).max)).astype(NORM_SCALE_DTYPE)
 
 
 def _stored_codes(codes: jax.Array, books: Codebooks, width: int, parts: Parts | None = None) -> jax.Array:

@@ -31,10 +31,13 @@ Build them with :meth:`PQCodebooks.with_pre_rope_keys`. A key transform does not
 the rotation and is refused with pre-RoPE keys; residual stages do (the rotation is linear).
 
 ``key_norms`` / ``value_norms`` (static bools; norm-explicit PQ): the cache stores, beside each
-token's codes, one bf16 scale ``|x| / |x_hat|`` (the vector's norm over its reconstruction's, both
+token's codes, one float16 scale ``|x| / |x_hat|`` (the vector's norm over its reconstruction's, both
 in the model's key / value space: after the inverse transform and the sum of the stages; RoPE
 keeps norms), and every attention path multiplies the token's score (keys) or value by it, so
 each reconstruction has the norm of the vector it codes. 16 more bits per token and head each.
+float16, not bfloat16: the scale multiplies every score of its key, and bf16's 8-bit significand
+(up to 0.4% off) moves scores of large keys by tenths of a logit; float16 rounds 8x finer in the
+same 16 bits (a scale above its largest finite value, 65504, is clipped there).
 ``unit_codes`` (static; with norms): the codebooks were fitted on unit vectors and the cache
 encodes x / |x| (the norm is all in the scale, the codes only carry the direction: NEQ, Dai et al.
 2020); without it today's codebooks code x itself and the scale corrects the length.
@@ -75,7 +78,7 @@ from pallas_kernels.code_packing import Parts, check_layout
 __all__ = ["PQCodebooks", "GRANULARITIES", "NORM_SCALE_BITS", "NORM_SCALE_DTYPE", "check_pre_rope_keys", "per_layer_centroids", "unit_vectors"]
 
 GRANULARITIES = ("shared", "layer", "layer_head")
-NORM_SCALE_DTYPE = jnp.bfloat16  # an explicit norm scale: one per token and head, in the cache
+NORM_SCALE_DTYPE = jnp.float16  # an explicit norm scale: one per token and head, in the cache (module doc)
 NORM_SCALE_BITS = 8 * jnp.dtype(NORM_SCALE_DTYPE).itemsize
 
 

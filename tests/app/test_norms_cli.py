@@ -1,5 +1,5 @@
 """`calibrate --norms`: norm-explicit codebooks recorded in the file, read back by `eval`, their
-bf16 scales counted in the stored bits."""
+float16 scales counted in the stored bits."""
 from __future__ import annotations
 
 import json
@@ -36,7 +36,7 @@ def test_norms_on_records_reads_back_and_counts(cli, tiny_dir, tiny, codebooks, 
     normed, base = _eval(cli, tiny_dir, tmp_path, "normed", path), _eval(cli, tiny_dir, tmp_path, "plain", codebooks)
     assert normed["storage_bits_per_element"] == normed["bits_per_element"] == 3.0 + 16 / d
     assert base["storage_bits_per_element"] == 3.0
-    assert normed["bytes_per_token"] - base["bytes_per_token"] == 2 * 2 * 2 * 2  # K + V bf16, 2 layers x 2 heads
+    assert normed["bytes_per_token"] - base["bytes_per_token"] == 2 * 2 * 2 * 2  # K + V float16, 2 layers x 2 heads
     assert " nkv " in normed["cache_label"]
     assert abs(normed["nll"] - base["nll"]) > 1e-5
 

@@ -1,6 +1,6 @@
-"""Norm-explicit PQ: a bf16 scale |x| / |x_hat| per token beside the codes, read by every path.
+"""Norm-explicit PQ: a float16 scale |x| / |x_hat| per token beside the codes, read by every path.
 
-The cache's stored scales are checked against a numpy reference (within one bf16 step), and its
+The cache's stored scales are checked against a numpy reference (within one float16 step), and its
 attention against exact numpy attention over the reconstructions rescaled by those stored scales,
 on fresh random inputs: residual stages, key / value transforms, pre-RoPE keys, packed and
 unpacked codes, the xla path and the Pallas kernel (interpret mode), prefill and decode steps.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from million_jax import rope
-from million_jax.cache.pq_cache import PQCache
+from million_jax.cache.pq_cache import PQCache, norm_scale
 from million_jax.flax.pq_layer import select_layer
 from million_jax.quant.codebook_io import CodebookFileError, load_kv_codebooks, save_kv_codebooks
 from million_jax.quant.kv_codebooks import PQCodebooks
@@ -104,9 +104,9 @@ def _check(books, cache, q, k, v, outs, tol):
         if not on:
             assert stored is None
             continue
-        assert stored.dtype == jnp.bfloat16 and stored.shape == (1, B, HKV, T, 1)
+        assert stored.dtype == jnp.float16 and stored.shape == (1, B, HKV, T, 1)
         got = np.asarray(stored[0, ..., 0], np.float64)  # [B, Hkv, T]
-        np.testing.assert_allclose(got, np.swapaxes(ratio, 1, 2), rtol=2**-7)  # one bf16 step
+        np.testing.assert_allclose(got, np.swapaxes(ratio, 1, 2), rtol=2**-10)  # one float16 step (bf16 would be 2**-7)
         x_hat *= np.swapaxes(got, 1, 2)[..., None]
     for t0, out in outs:
         np.testing.assert_allclose(np.asarray(out), _attention(q, k_hat, v_hat)[:, t0:t0 + out.shape[1]],
@@ -169,6 +169,25 @@ def test_norms_change_the_answer():
         cache = PQCache.for_codebooks(b, B, HKV, T, quantize_all=True, impl="xla")
         outs[name] = np.asarray(_run(b, cache, q, k, v, prefill=T)[0][0][1])
     assert np.abs(outs["norms"] - outs["plain"]).max() > 1e-2
+
+
+def test_norm_scale_rounding_zero_and_overflow():
+    """The stored scale is |x| / |x_hat| to within one float16 rounding (8x finer than bf16's, on
+    fresh random vectors of norms 1e-3..1e3), 1 for a zero reconstruction, and a norm beyond
+    float16's range is clipped to its largest finite value, never inf."""
+    rng = np.random.default_rng(12)
+    x = rng.normal(size=(4096, 16)) * 10.0 ** rng.uniform(-3, 3, size=(4096, 1))
+    x_hat = x + 0.3 * rng.normal(size=x.shape) * np.linalg.norm(x, axis=-1, keepdims=True) / 4
+    want = np.linalg.norm(x, axis=-1) / np.linalg.norm(x_hat, axis=-1)
+    got = np.asarray(norm_scale(jnp.asarray(x, jnp.float32), jnp.asarray(x_hat, jnp.float32)), np.float64)[:, 0]
+    rel = np.abs(got / want - 1)
+    assert rel.max() <= 2.0**-11 * 1.01 and rel.max() > 0  # round to nearest: half a step of 2**-10
+    bf16 = np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64)
+    assert np.abs(bf16 / want - 1).mean() > 4 * rel.mean()
+    special = norm_scale(jnp.asarray([[3.0, 4.0], [1e6, 0.0]], jnp.float32),
+                         jnp.asarray([[0.0, 0.0], [1.0, 0.0]], jnp.float32))
+    assert special.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(special, np.float64)[:, 0], [1.0, float(np.finfo(np.float16).max)])
 
 
 def test_file_roundtrip_and_mismatches(tmp_path):

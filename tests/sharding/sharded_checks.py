@@ -114,7 +114,7 @@ def make_cache(kind: str, config: LlamaConfig) -> tuple[Any, Any]:
 
     "pq" reads codes on the xla path; "pq-pallas" runs decode steps in the Pallas kernel
     (interpret mode on CPU; on a mesh, per shard under ``shard_map``), with norm-explicit
-    codebooks, so the per-token bf16 scales are sharded with the codes and read by the kernel.
+    codebooks, so the per-token float16 scales are sharded with the codes and read by the kernel.
     """
     L, hkv, d = config.n_layers, config.n_kv_heads, config.head_dim
     if kind == "dense":
