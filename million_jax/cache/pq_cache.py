@@ -151,7 +151,8 @@ class PQLayer(ExactWindowLayer):
         if freqs is not None:  # encode the keys rotated back to position 0, in RoPE-pair layout
             cos, sin = rope.rope_cos_sin(pos, consts.rope_inv_freq)  # [B, T, d/2]
             pairs = consts.key_rope_pairs
-            k_enc = rope.to_pair_layout(rope.unrotate(k, cos[:, :, None], sin[:, :, None]), pairs)
+            # in float32: a bf16 key rounded again after the turn back would be coded off its own value
+            k_enc = rope.to_pair_layout(rope.unrotate(k.astype(jnp.float32), cos[:, :, None], sin[:, :, None]), pairs)
             qc = rope.to_pair_layout(q, pairs)
             if consts.key_pair_order is not None:  # each head's pairs in its sub-spaces' order
                 k_enc = rope.order_pairs(k_enc, consts.key_pair_order)

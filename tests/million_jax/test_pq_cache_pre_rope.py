@@ -87,3 +87,28 @@ def test_pre_rope_cache_matches_exact_attention_over_rotated_reconstructions(sin
     wrong = _reference(qc, k_post, v, np.asarray(rope.rotate(kq, *rope.rope_cos_sin(-np.arange(T_MAX), np.asarray(
         books.rope_inv_freq)))), vq, start, n, sinks, window, quantize_all)
     assert np.abs(np.asarray(out) - wrong).max() > 10 * tol
+
+
+def test_bf16_keys_are_turned_back_in_float32_before_encoding():
+    """A bf16 model's post-RoPE key is turned back to position 0 in float32 and encoded from there:
+    the stored codes are those of the exactly unrotated key, not of a second bf16 rounding of it
+    (which moves some keys to another centroid with 256 fine centroids per pair)."""
+    rng = np.random.default_rng(3)
+    d, t = 16, 256
+    inv = rope.rope_inv_freq(d, 50.0)
+    kc = (0.3 * rng.standard_normal((1, 1, d // 2, 256, 2))).astype(np.float32)
+    vc = rng.standard_normal((1, 1, d // 2, 16, 2)).astype(np.float32)
+    books = PQCodebooks.from_centroids(kc, vc, "layer_head", num_layers=1).with_pre_rope_keys(inv)
+    k = jnp.asarray(rng.standard_normal((1, t, 1, d)), jnp.bfloat16)  # post-RoPE, as the model gives it
+    v = jnp.asarray(rng.standard_normal((1, t, 1, d)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((1, t, 1, d)), jnp.bfloat16)
+    cache = PQCache.for_codebooks(books, 1, 1, t, dtype=jnp.bfloat16, quantize_all=True, impl="xla")
+    _, cache = attend_layer0(cache, books, q, k, v, jnp.asarray([t], jnp.int32))
+    got = np.asarray(cache.layers.k_codes[0, 0, 0])  # [T, M]
+    cos, sin = rope.rope_cos_sin(np.arange(t), inv)
+    kcb = Codebooks(np.asarray(books.key.centroids[0, 0]))
+    exact = rope.unrotate(np.asarray(k[0, :, 0], np.float32), cos, sin)  # [T, d]
+    want = np.asarray(encode(kcb, rope.to_pair_layout(exact, 1)[None]))[0]
+    twice = np.asarray(encode(kcb, rope.to_pair_layout(jnp.asarray(exact, jnp.bfloat16).astype(jnp.float32), 1)[None]))[0]
+    assert (want != twice).any()  # the case can tell the two apart
+    np.testing.assert_array_equal(got, want)

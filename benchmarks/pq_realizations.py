@@ -1,0 +1,112 @@
+"""How far apart are two numerically equivalent PQ caches? The quantization's own noise floor.
+
+The PQ cache (``--protocol all``: every token from codes) and ``pq_loss_split``'s reconstruction
+(a float32 dense cache storing decode(encode(x)) with the same codebooks, transforms, pair order
+and norm scales) compute the same function: one layer's outputs on the same inputs agree to float
+rounding (printed: ``layer_max_abs_diff``). Pre-RoPE keys are turned by exact fixed-point angles
+in the cache and by float32 angles in the reconstruction, so the two differ by ~1e-5 per layer;
+post-RoPE they are bit-identical. Through the model, a difference that small moves a later
+layer's key or value across a k-means cell boundary now and then (its code flips, moving that
+vector by a cell's width), and those flips cascade: this script measures how much that changes
+the perplexity and each position's log-likelihood. Two runs of the same codebooks that differ
+only in float rounding are two draws of the quantization noise; a difference between recipes
+smaller than theirs is not a result.
+
+    PYTHONPATH=. python benchmarks/pq_realizations.py --codebooks /tmp/kv/po/books_s0/pq4-pre-nu-po.safetensors \\
+        --max-tokens 4096 --json benchmarks/results/frontier/key_bits/realizations/po_s0.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.pq_loss_split import make
+from million_app import caches
+from million_app.calibrate import collect_model_kv, load_model_codebooks
+from million_app.flags import load_text
+from million_app.loading import open_model, tokenize
+from million_app.perplexity import eval_windows, window_nll
+from million_jax.cache.spec import CacheSpec
+
+
+def layer_diff(model, books, ids: list[int], layer: int, window: int, seed: int = 0) -> float:
+    """max |out_cache - out_reconstruction| of one layer's attention on the model's own keys and
+    values of one window (queries: the keys plus noise, for peaked scores), from an empty cache."""
+    k, v = collect_model_kv(model, ids[:window], window=window, batch=1, max_tokens=window)  # [Lg, Hkv, N, d]
+    lb = jax.tree.map(lambda x: x[layer], books)
+    kk, vv = (jnp.asarray(x[layer]).transpose(1, 0, 2)[None].astype(jnp.float32) for x in (k, v))
+    h = model.config.n_heads
+    q = jnp.repeat(kk, h // kk.shape[2], axis=2)
+    q = q + 0.5 * jnp.asarray(np.random.default_rng(seed).normal(size=q.shape), jnp.float32)
+    z, n = jnp.zeros((1,), jnp.int32), jnp.full((1,), window, jnp.int32)
+    cache, _ = caches.build(CacheSpec("pq", codebooks=books, quantize_all=True, dtype=jnp.float32),
+                            model.config, 1, window)
+    out_c, _ = jax.tree.map(lambda x: x[0], cache.layers).attend(lb, q, kk, vv, z, n)
+    rc = make(model.config, books, 1, window, norm_k=books.key_norms, norm_v=books.value_norms,
+              unit=books.unit_codes)
+    out_r, _ = jax.tree.map(lambda x: x[0], rc.layers).attend(lb, q, kk, vv, z, n)
+    return float(jnp.abs(out_c - out_r).max())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--codebooks", required=True)
+    p.add_argument("--text", default="builtin:eval")
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--layer", type=int, default=15, help="the layer of the one-layer check")
+    p.add_argument("--json", required=True)
+    a = p.parse_args()
+    model = open_model(a.model)
+    books, meta = load_model_codebooks(a.codebooks, model)
+    if int(meta.get("precise_sinks", 0)):
+        raise SystemExit("files with precise sinks: the reconstruction would need them too (not built)")
+    ids = tokenize(model, load_text(a.text, "--text"))
+    w = eval_windows(ids, a.window, a.max_tokens)
+    t0 = time.perf_counter()
+    nll = {}
+    for name in ("cache", "reconstruction"):
+        rows = []
+        for i in range(0, len(w), a.batch):
+            chunk = w[i:i + a.batch]
+            real = len(chunk)
+            if real < a.batch:
+                chunk = np.concatenate([chunk, np.repeat(chunk[-1:], a.batch - real, axis=0)])
+            if name == "cache":
+                cache, consts = caches.build(CacheSpec("pq", codebooks=books, quantize_all=True, dtype=jnp.bfloat16),
+                                             model.config, a.batch, a.window)
+            else:
+                cache, consts = make(model.config, books, a.batch, a.window, norm_k=books.key_norms,
+                                     norm_v=books.value_norms, unit=books.unit_codes), books
+            rows.append(np.asarray(window_nll(model.config, model.params, cache, jnp.asarray(chunk), consts),
+                                   np.float64)[:real])
+        nll[name] = np.concatenate(rows)  # [W, window - 1]
+    d = np.abs(nll["cache"] - nll["reconstruction"])
+    step = a.window // 8
+    out = {"command": "PYTHONPATH=. python benchmarks/pq_realizations.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
+        "codebooks": a.codebooks, "recipe": books.recipe, "tokens": int(d.size),
+        "layer": a.layer, "layer_max_abs_diff": layer_diff(model, books, ids, a.layer, a.window),
+        "ppl": {k: float(np.exp(v.mean())) for k, v in nll.items()},
+        "mean_abs_dnll": float(d.mean()),
+        "mean_abs_dnll_by_position": {f"{i}-{i + step - 1}": round(float(d[:, i:i + step].mean()), 5)
+                                      for i in range(0, a.window - 1, step)},
+        "positions_dnll_over_0.1": round(float((d > 0.1).mean()), 4),
+        "wall_s": round(time.perf_counter() - t0, 1)}
+    out["ppl_rel_diff_pct"] = round(100 * (out["ppl"]["cache"] / out["ppl"]["reconstruction"] - 1), 3)
+    print(json.dumps(out, indent=1))
+    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
