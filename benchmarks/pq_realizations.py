@@ -3,7 +3,8 @@
 The PQ cache (``--protocol all``: every token from codes) and ``pq_loss_split``'s reconstruction
 (a float32 dense cache storing decode(encode(x)) with the same codebooks, transforms, pair order
 and norm scales) compute the same function: one layer's outputs on the same inputs agree to float
-rounding (printed: ``layer_max_abs_diff``). Pre-RoPE keys are turned by exact fixed-point angles
+rounding (printed: ``layer_max_abs_diff``). With a norm-explicit file it also prints what rounding the
+norm scales to bfloat16 / float16 does to four layers' outputs (``scale_rounding_by_layer``). Pre-RoPE keys are turned by exact fixed-point angles
 in the cache and by float32 angles in the reconstruction, so the two differ by ~1e-5 per layer;
 post-RoPE they are bit-identical. Through the model, a difference that small moves a later
 layer's key or value across a k-means cell boundary now and then (its code flips, moving that
@@ -26,13 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.pq_loss_split import make
+from benchmarks.pq_loss_split import make, pq_reconstruct
 from million_app import caches
 from million_app.calibrate import collect_model_kv, load_model_codebooks
 from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
 from million_app.perplexity import eval_windows, window_nll
 from million_jax.cache.spec import CacheSpec
+from million_jax.quant.kv_codebooks import unit_vectors
 
 
 def layer_diff(model, books, ids: list[int], layer: int, window: int, seed: int = 0) -> float:
@@ -52,6 +54,42 @@ def layer_diff(model, books, ids: list[int], layer: int, window: int, seed: int 
               unit=books.unit_codes)
     out_r, _ = jax.tree.map(lambda x: x[0], rc.layers).attend(lb, q, kk, vv, z, n)
     return float(jnp.abs(out_c - out_r).max())
+
+
+def scale_rounding(model, books, ids: list[int], layers: list[int], window: int, seed: int = 0) -> dict[str, dict]:
+    """Per layer: how far the attention output (float64, causal, queries = keys + noise) moves when
+    the norm scales |x| / |x_hat| are rounded to bfloat16 or float16 instead of kept in float32,
+    relative L2, beside the PQ error itself (float32 scales vs the exact keys and values).
+    Norm-explicit files only."""
+    k, v = collect_model_kv(model, ids[:window], window=window, batch=1, max_tokens=window)
+    h, rng, out = model.config.n_heads, np.random.default_rng(seed), {}
+    causal = np.tril(np.ones((window, window), bool))
+
+    def attention(q, kk, vv):  # [1, N, H or Hkv, d] float64
+        kk, vv = (np.repeat(np.asarray(x, np.float64), h // x.shape[2], axis=2) for x in (kk, vv))
+        s = np.einsum("bthd,bshd->bhts", q, kk) / np.sqrt(kk.shape[-1])
+        p = np.exp(np.where(causal, s, -np.inf) - np.where(causal, s, -np.inf).max(-1, keepdims=True))
+        return np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), vv)
+
+    for layer in layers:
+        lb = jax.tree.map(lambda x: x[layer], books)
+        kk, vv = (jnp.asarray(x[layer]).transpose(1, 0, 2)[None].astype(jnp.float32) for x in (k, v))
+        unit = books.unit_codes
+        kh, vh = pq_reconstruct(lb, unit_vectors(kk) if unit else kk, unit_vectors(vv) if unit else vv,
+                                jnp.arange(window)[None])
+        q = np.repeat(np.asarray(kk, np.float64), h // kk.shape[2], axis=2)
+        q = q + 0.5 * rng.normal(size=q.shape)
+
+        def scaled(dtype):
+            r = [jnp.linalg.norm(x, axis=-1, keepdims=True) / jnp.linalg.norm(xh, axis=-1, keepdims=True)
+                 for x, xh in ((kk, kh), (vv, vh))]
+            return attention(q, kh * r[0].astype(dtype).astype(jnp.float32), vh * r[1].astype(dtype).astype(jnp.float32))
+
+        ref = scaled(jnp.float32)
+        rel = lambda a, b: round(float(np.linalg.norm(a - b) / np.linalg.norm(b)), 5)  # noqa: E731
+        out[str(layer)] = {"bfloat16": rel(scaled(jnp.bfloat16), ref), "float16": rel(scaled(jnp.float16), ref),
+                           "pq_vs_exact": rel(ref, attention(q, kk, vv))}
+    return out
 
 
 def main() -> None:
@@ -95,6 +133,8 @@ def main() -> None:
         f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
         "codebooks": a.codebooks, "recipe": books.recipe, "tokens": int(d.size),
         "layer": a.layer, "layer_max_abs_diff": layer_diff(model, books, ids, a.layer, a.window),
+        "scale_rounding_by_layer": (scale_rounding(model, books, ids, [0, 5, 15, model.config.n_layers - 1], a.window)
+                                    if books.key_norms and books.value_norms else None),
         "ppl": {k: float(np.exp(v.mean())) for k, v in nll.items()},
         "mean_abs_dnll": float(d.mean()),
         "mean_abs_dnll_by_position": {f"{i}-{i + step - 1}": round(float(d[:, i:i + step].mean()), 5)
