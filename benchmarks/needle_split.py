@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks.pq_loss_split import make
 from million_app.calibrate import load_model_codebooks
-from million_app.niah import draw_cells, parse_depths
+from million_app.niah import cell_scores, draw_cells, parse_depths
 from million_app.passkey import passkey_prompt, run_trials
 from models import load_model
 
@@ -66,6 +66,9 @@ def main() -> None:
         f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None),
         "lengths": lengths, "depths": depths, "trials": a.trials, "seed": a.seed,
         "precise_sinks": own["sinks"], "results": {}}
+    dense = json.load(open(a.dense)) if a.dense else None
+    if dense is not None and any(x not in dense["lengths"] for x in lengths):
+        raise SystemExit(f"--dense {a.dense} has lengths {dense['lengths']}, not all of {lengths}")
     for part in parts:
         qk, qv = PARTS[part]
         kw = dict(own, quant_k=qk, quant_v=qv)
@@ -76,20 +79,16 @@ def main() -> None:
                               a.chunk or None, make_cache=lambda b, n, kw=kw: (make(model.config, books, b, n, **kw),
                                                                                 books))
             cells_out += [{"length": length, "depth": d, **r} for (d, _), r in zip(cells[length], rows)]
-            acc.append([float(np.mean([r["correct"] for r in rows[i * a.trials:(i + 1) * a.trials]]))
-                        for i in range(len(depths))])
-            logp.append([float(np.mean([r["key_logp"] for r in rows[i * a.trials:(i + 1) * a.trials]]))
-                         for i in range(len(depths))])
+            cell_acc, cell_logp = cell_scores(rows, len(depths), a.trials)
+            acc.append(cell_acc)
+            logp.append(cell_logp)
             print(json.dumps({"part": part, "length": length, "found": acc[-1], "logp": np.round(logp[-1], 3).tolist()}),
                   flush=True)
         res = {"accuracy": acc, "key_logp": logp, "cells": cells_out, "found": int(round(np.sum(acc) * a.trials)),
                "wall_s": round(time.perf_counter() - t0, 1)}
-        if a.dense:
-            (_, dres), = json.load(open(a.dense))["results"].items()
-            dense_lengths = json.load(open(a.dense))["lengths"]
-            if any(x not in dense_lengths for x in lengths):
-                raise SystemExit(f"--dense {a.dense} has lengths {dense_lengths}, not all of {lengths}")
-            rows_at = [dense_lengths.index(x) for x in lengths]
+        if dense is not None:
+            (_, dres), = dense["results"].items()
+            rows_at = [dense["lengths"].index(x) for x in lengths]
             d_acc, d_logp = np.array(dres["accuracy"])[rows_at], np.array(dres["key_logp"])[rows_at]
             ok = d_acc > 0
             res["dense_found"] = int(round(d_acc.sum() * a.trials))

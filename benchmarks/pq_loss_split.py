@@ -152,21 +152,27 @@ def make(cfg, books: PQCodebooks, batch: int, max_len: int, **kw) -> Reconstruct
                               lengths=dense.lengths)
 
 
-def reconstructed_ppl(model, books: PQCodebooks, windows: np.ndarray, batch: int = 4, **kw) -> float:
-    """Perplexity of ``windows`` int[W, T] (each from an empty cache) with the parts ``kw`` of
-    :class:`ReconstructedLayer` read as their reconstruction through ``books``."""
-    cfg = model.config
-    total, count = 0.0, 0
+def window_nlls(model, windows: np.ndarray, batch: int, build) -> np.ndarray:
+    """-log p of every target token float64[W, T-1] of ``windows`` int[W, T], each window from an
+    empty cache ``build(batch, T) -> (cache, cache_consts)``, ``batch`` windows per forward (the
+    last batch padded with copies of its last window)."""
+    rows = []
     for i in range(0, len(windows), batch):
         chunk = windows[i: i + batch]
         real = len(chunk)
         if real < batch:
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - real, axis=0)])
-        cache = make(cfg, books, batch, windows.shape[1], **kw)
-        nll = np.asarray(window_nll(cfg, model.params, cache, jnp.asarray(chunk), books), np.float64)[:real]
-        total += float(nll.sum())
-        count += nll.size
-    return float(np.exp(total / count))
+        cache, consts = build(batch, windows.shape[1])
+        rows.append(np.asarray(window_nll(model.config, model.params, cache, jnp.asarray(chunk), consts),
+                               np.float64)[:real])
+    return np.concatenate(rows)
+
+
+def reconstructed_ppl(model, books: PQCodebooks, windows: np.ndarray, batch: int = 4, **kw) -> float:
+    """Perplexity of ``windows`` int[W, T] (each from an empty cache) with the parts ``kw`` of
+    :class:`ReconstructedLayer` read as their reconstruction through ``books``."""
+    nll = window_nlls(model, windows, batch, lambda b, t: (make(model.config, books, b, t, **kw), books))
+    return float(np.exp(nll.sum() / nll.size))
 
 
 def main() -> None:

@@ -27,25 +27,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.pq_loss_split import make, pq_reconstruct
+from benchmarks.pq_loss_split import make, pq_reconstruct, window_nlls
 from million_app import caches
 from million_app.calibrate import collect_model_kv, load_model_codebooks
 from million_app.flags import load_text
 from million_app.loading import open_model, tokenize
-from million_app.perplexity import eval_windows, window_nll
+from million_app.perplexity import eval_windows
+from million_jax.cache.pq_cache import norm_scale
 from million_jax.cache.spec import CacheSpec
 from million_jax.quant.kv_codebooks import unit_vectors
 
 
-def layer_diff(model, books, ids: list[int], layer: int, window: int, seed: int = 0) -> float:
-    """max |out_cache - out_reconstruction| of one layer's attention on the model's own keys and
-    values of one window (queries: the keys plus noise, for peaked scores), from an empty cache."""
-    k, v = collect_model_kv(model, ids[:window], window=window, batch=1, max_tokens=window)  # [Lg, Hkv, N, d]
-    lb = jax.tree.map(lambda x: x[layer], books)
+def layer_inputs(k: np.ndarray, v: np.ndarray, layer: int, n_heads: int, rng: np.random.Generator):
+    """One layer's keys and values float32[1, N, Hkv, d] from ``collect_model_kv``'s [L, Hkv, N, d],
+    and queries float64[1, N, H, d]: the keys plus noise, for peaked scores."""
     kk, vv = (jnp.asarray(x[layer]).transpose(1, 0, 2)[None].astype(jnp.float32) for x in (k, v))
-    h = model.config.n_heads
-    q = jnp.repeat(kk, h // kk.shape[2], axis=2)
-    q = q + 0.5 * jnp.asarray(np.random.default_rng(seed).normal(size=q.shape), jnp.float32)
+    q = np.repeat(np.asarray(kk, np.float64), n_heads // kk.shape[2], axis=2)
+    return kk, vv, q + 0.5 * rng.normal(size=q.shape)
+
+
+def layer_diff(model, books, k: np.ndarray, v: np.ndarray, layer: int, seed: int = 0) -> float:
+    """max |out_cache - out_reconstruction| of one layer's attention on the model's own keys and
+    values k, v float[L, Hkv, N, d] of one window, from an empty cache."""
+    window = k.shape[2]
+    lb = jax.tree.map(lambda x: x[layer], books)
+    kk, vv, q = layer_inputs(k, v, layer, model.config.n_heads, np.random.default_rng(seed))
+    q = jnp.asarray(q, jnp.float32)
     z, n = jnp.zeros((1,), jnp.int32), jnp.full((1,), window, jnp.int32)
     cache, _ = caches.build(CacheSpec("pq", codebooks=books, quantize_all=True, dtype=jnp.float32),
                             model.config, 1, window)
@@ -56,12 +63,12 @@ def layer_diff(model, books, ids: list[int], layer: int, window: int, seed: int 
     return float(jnp.abs(out_c - out_r).max())
 
 
-def scale_rounding(model, books, ids: list[int], layers: list[int], window: int, seed: int = 0) -> dict[str, dict]:
+def scale_rounding(model, books, k: np.ndarray, v: np.ndarray, layers: list[int], seed: int = 0) -> dict[str, dict]:
     """Per layer: how far the attention output (float64, causal, queries = keys + noise) moves when
-    the norm scales |x| / |x_hat| are rounded to bfloat16 or float16 instead of kept in float32,
-    relative L2, beside the PQ error itself (float32 scales vs the exact keys and values).
-    Norm-explicit files only."""
-    k, v = collect_model_kv(model, ids[:window], window=window, batch=1, max_tokens=window)
+    the norm scales |x| / |x_hat| (``pq_cache.norm_scale``) are stored in bfloat16 or float16
+    instead of float32, relative L2, beside the PQ error itself (float32 scales vs the exact keys
+    and values). k, v float[L, Hkv, N, d] of one window; norm-explicit files only."""
+    window = k.shape[2]
     h, rng, out = model.config.n_heads, np.random.default_rng(seed), {}
     causal = np.tril(np.ones((window, window), bool))
 
@@ -73,17 +80,13 @@ def scale_rounding(model, books, ids: list[int], layers: list[int], window: int,
 
     for layer in layers:
         lb = jax.tree.map(lambda x: x[layer], books)
-        kk, vv = (jnp.asarray(x[layer]).transpose(1, 0, 2)[None].astype(jnp.float32) for x in (k, v))
+        kk, vv, q = layer_inputs(k, v, layer, h, rng)
         unit = books.unit_codes
         kh, vh = pq_reconstruct(lb, unit_vectors(kk) if unit else kk, unit_vectors(vv) if unit else vv,
                                 jnp.arange(window)[None])
-        q = np.repeat(np.asarray(kk, np.float64), h // kk.shape[2], axis=2)
-        q = q + 0.5 * rng.normal(size=q.shape)
 
         def scaled(dtype):
-            r = [jnp.linalg.norm(x, axis=-1, keepdims=True) / jnp.linalg.norm(xh, axis=-1, keepdims=True)
-                 for x, xh in ((kk, kh), (vv, vh))]
-            return attention(q, kh * r[0].astype(dtype).astype(jnp.float32), vh * r[1].astype(dtype).astype(jnp.float32))
+            return attention(q, *(xh * norm_scale(x, xh, dtype).astype(jnp.float32) for x, xh in ((kk, kh), (vv, vh))))
 
         ref = scaled(jnp.float32)
         rel = lambda a, b: round(float(np.linalg.norm(a - b) / np.linalg.norm(b)), 5)  # noqa: E731
@@ -110,30 +113,20 @@ def main() -> None:
     ids = tokenize(model, load_text(a.text, "--text"))
     w = eval_windows(ids, a.window, a.max_tokens)
     t0 = time.perf_counter()
-    nll = {}
-    for name in ("cache", "reconstruction"):
-        rows = []
-        for i in range(0, len(w), a.batch):
-            chunk = w[i:i + a.batch]
-            real = len(chunk)
-            if real < a.batch:
-                chunk = np.concatenate([chunk, np.repeat(chunk[-1:], a.batch - real, axis=0)])
-            if name == "cache":
-                cache, consts = caches.build(CacheSpec("pq", codebooks=books, quantize_all=True, dtype=jnp.bfloat16),
-                                             model.config, a.batch, a.window)
-            else:
-                cache, consts = make(model.config, books, a.batch, a.window, norm_k=books.key_norms,
-                                     norm_v=books.value_norms, unit=books.unit_codes), books
-            rows.append(np.asarray(window_nll(model.config, model.params, cache, jnp.asarray(chunk), consts),
-                                   np.float64)[:real])
-        nll[name] = np.concatenate(rows)  # [W, window - 1]
+    builds = {"cache": lambda b, t: caches.build(CacheSpec("pq", codebooks=books, quantize_all=True, dtype=jnp.bfloat16),
+                                                 model.config, b, t),
+              "reconstruction": lambda b, t: (make(model.config, books, b, t, norm_k=books.key_norms,
+                                                   norm_v=books.value_norms, unit=books.unit_codes), books)}
+    nll = {name: window_nlls(model, w, a.batch, build) for name, build in builds.items()}  # [W, window - 1] each
+    # the model's own keys and values of the first window, for the one-layer checks: [L, Hkv, N, d]
+    k, v = collect_model_kv(model, ids[:a.window], window=a.window, batch=1, max_tokens=a.window)
     d = np.abs(nll["cache"] - nll["reconstruction"])
     step = a.window // 8
     out = {"command": "PYTHONPATH=. python benchmarks/pq_realizations.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
         "codebooks": a.codebooks, "recipe": books.recipe, "tokens": int(d.size),
-        "layer": a.layer, "layer_max_abs_diff": layer_diff(model, books, ids, a.layer, a.window),
-        "scale_rounding_by_layer": (scale_rounding(model, books, ids, [0, 5, 15, model.config.n_layers - 1], a.window)
+        "layer": a.layer, "layer_max_abs_diff": layer_diff(model, books, k, v, a.layer),
+        "scale_rounding_by_layer": (scale_rounding(model, books, k, v, [0, 5, 15, model.config.n_layers - 1])
                                     if books.key_norms and books.value_norms else None),
         "ppl": {k: float(np.exp(v.mean())) for k, v in nll.items()},
         "mean_abs_dnll": float(d.mean()),

@@ -37,6 +37,13 @@ def draw_cells(rng: np.random.Generator, depths: Sequence[float], trials: int) -
     return [(d, int(k)) for d in depths for k in rng.integers(10000, 100000, size=trials)]
 
 
+def cell_scores(rows: Sequence[dict[str, Any]], n_depths: int, trials: int) -> tuple[list[float], list[float]]:
+    """One length's trial rows (``run_trials``, ``trials`` per depth in order) -> (accuracy, mean
+    log p(key)) per depth."""
+    cells = [rows[i * trials:(i + 1) * trials] for i in range(n_depths)]
+    return [sum(r["correct"] for r in c) / trials for c in cells], [mean_key_logp(c) for c in cells]
+
+
 def niah_grid(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[int], depths: Sequence[float], *,
               trials: int = 1, seed: int = 0, batch: int = 5,
               prefill_chunk: int | None = None) -> dict[str, Any]:
@@ -60,12 +67,9 @@ def niah_grid(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[
                 rows = run_trials(model, prompts, [k for _, k in cells], spec, min(batch, len(prompts)),
                                   prefill_chunk)
                 pbar.update(len(rows))
-                acc, logp = [], []
-                for i, d in enumerate(depths):
-                    cell = rows[i * trials:(i + 1) * trials]
-                    acc.append(sum(r["correct"] for r in cell) / trials)
-                    logp.append(mean_key_logp(cell))
-                    out["results"][lab]["cells"].append({"length": length, "depth": d, "trials": cell})
+                acc, logp = cell_scores(rows, len(depths), trials)
+                out["results"][lab]["cells"] += [{"length": length, "depth": d, "trials": rows[i * trials:(i + 1) * trials]}
+                                                 for i, d in enumerate(depths)]
                 out["results"][lab]["accuracy"].append(acc)
                 out["results"][lab]["key_logp"].append(logp)
     finally:

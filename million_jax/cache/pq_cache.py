@@ -225,13 +225,15 @@ def norm_scales(x: jax.Array, decoded: jax.Array, inverse: jax.Array | None, sta
     return norm_scale(x, rec)
 
 
-def norm_scale(x: jax.Array, x_hat: jax.Array) -> jax.Array:
+def norm_scale(x: jax.Array, x_hat: jax.Array, dtype: Any = None) -> jax.Array:
     """|x| / |x_hat| float16[..., 1] of x, x_hat float[..., d] in the same space: the stored scale
-    (1 where x_hat is 0; clipped to float16's largest finite value, never inf)."""
+    (1 where x_hat is 0; clipped to float16's largest finite value, never inf). ``dtype``: another
+    storage dtype than ``NORM_SCALE_DTYPE`` (a benchmark's comparison)."""
+    dtype = NORM_SCALE_DTYPE if dtype is None else dtype
     num = jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
     den = jnp.linalg.norm(x_hat.astype(jnp.float32), axis=-1, keepdims=True)
     ratio = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0)
-    return jnp.minimum(ratio, float(jnp.finfo(NORM_SCALE_DTYPE).max)).astype(NORM_SCALE_DTYPE)
+    return jnp.minimum(ratio, float(jnp.finfo(dtype).max)).astype(dtype)
 
 
 def _stored_codes(codes: jax.Array, books: Codebooks, width: int, parts: Parts | None = None) -> jax.Array:
