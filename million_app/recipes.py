@@ -428,6 +428,19 @@ def check_recipe_granularity(recipe: Recipe, config, granularity: str) -> None:
                          f"KV head (granularity layer_head, or layer with one KV head), got {granularity}")
 
 
+def _value_transform(recipe: Recipe, model, v: np.ndarray) -> np.ndarray | None:
+    """The one value transform of ``recipe`` (they exclude each other, :class:`Recipe`): the
+    output-aware B float32[L, Hkv, d, d] from the model's ``wo``, the principal axes of the values
+    ``v`` float32[L, Hkv, N, d] as the codebooks code them (unit vectors for a ``unit`` recipe), or None."""
+    if recipe.output_aware:
+        c = model.config
+        wo = np.asarray(model.params["layers"]["wo"], np.float32)[list(c.global_layers)]
+        return output_value_transform(wo, c.n_heads, c.n_kv_heads)
+    if recipe.value_pca:
+        return value_pca_transform(v)
+    return None
+
+
 def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.ndarray, q_count: np.ndarray, *,
                granularity: str = "layer_head", seed: int = 0, iters: int = 25,
                max_vectors: int = DEFAULT_MAX_VECTORS, queries: tuple | None = None,
@@ -446,8 +459,6 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
     _check_calibration_arrays(recipe, c, k, v, q_gram, q_count)
     check_recipe_granularity(recipe, c, granularity)  # before the fits, not after them
     kt = query_aware_key_transform(q_gram, q_count) if recipe.query_aware else None
-    vt = (output_value_transform(np.asarray(model.params["layers"]["wo"], np.float32)[list(c.global_layers)], c.n_heads, c.n_kv_heads)
-          if recipe.output_aware else None)
     ft = recipe.finetune
     if ft is not None and queries is None:
         raise UsageError(f"recipe {recipe.name} fine-tunes its codebooks and needs calibration query samples "
@@ -460,8 +471,7 @@ def fit_recipe(recipe: Recipe, model, k: np.ndarray, v: np.ndarray, q_gram: np.n
         with counting(f"k-means ({recipe.name})", "fit") as report:
             if recipe.unit:  # NEQ: the codebooks code directions, the stored scale the norm
                 k, v = unit_vectors(k), unit_vectors(v)
-            if recipe.value_pca:  # the basis of the values as the codebooks code them
-                vt = value_pca_transform(v)
+            vt = _value_transform(recipe, model, v)
             books = fit_kv_codebooks(k, v, **recipe.budgets(c.head_dim), granularity=granularity,
                                      key=jax.random.PRNGKey(seed), max_vectors=max_vectors, iters=iters,
                                      key_transform=kt, value_transform=vt, stages=recipe.stages,

@@ -317,3 +317,28 @@ def test_value_pca_recipe_codes_values_in_the_paired_principal_basis(tiny):
     assert "principal axes" in recipe.describe()
     cache = PQCache.for_codebooks(books, 1, h, 16)
     assert cache.layer_consts(books) is books
+
+
+def test_output_aware_recipe_takes_its_value_transform_from_the_models_wo(tiny):
+    """``output_aware``: the codebooks' value transform is output_value_transform of the model's
+    ``wo`` rows of the global layers, not of the values; without the flag there is none."""
+    import dataclasses
+
+    from million_app.recipes import fit_recipe
+    from million_jax.quant.kv_transforms import output_value_transform
+
+    c = tiny.config
+    L, h, d = c.n_global_layers, c.n_kv_heads, c.head_dim
+    rng = np.random.default_rng(3)
+    k = rng.normal(size=(L, h, 600, d)).astype(np.float32)
+    v = rng.normal(size=(L, h, 600, d)).astype(np.float32)
+    gram, count = np.full((L, h, d, d), 0.0) + np.eye(d), np.full((L, h), 1)
+    recipe = dataclasses.replace(RECIPES["pq4-pre-ow"], name="tiny-ow", key_nbits=3, value_nbits=3)
+    books = fit_recipe(recipe, tiny, k, v, gram, count, iters=2, max_vectors=512)
+    wo = np.asarray(tiny.params["layers"]["wo"], np.float32)[list(c.global_layers)]
+    want = output_value_transform(wo, c.n_heads, c.n_kv_heads)
+    np.testing.assert_allclose(np.asarray(books.value_transform), want, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(want, np.eye(d), atol=1e-2)  # a transform the check can tell from none
+    plain = fit_recipe(dataclasses.replace(recipe, name="tiny-plain", output_aware=False), tiny, k, v, gram, count,
+                       iters=2, max_vectors=512)
+    assert plain.value_transform is None
