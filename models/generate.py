@@ -252,6 +252,11 @@ def _score_forced(config: LlamaConfig, params: Params, cache: KVCache, logits: j
     prompt + forced[:, :i]; the last one is never appended, so the copy needs S - 1 free rows
     (rows without them, or whose prompt did not fit, score NaN from the first token that
     could not be appended).
+
+    A copy, not a rollback of ``lengths``: appending can overwrite rows the generation still
+    needs (the exact recent-token rings slot = pos % W, whose evicted token is written to codes;
+    the ring of a sliding-window layer), so the scored continuation must not touch the cache that
+    generation reads.
     """
     s = forced.shape[1]
 
