@@ -253,10 +253,9 @@ def _score_forced(config: LlamaConfig, params: Params, cache: KVCache, logits: j
     (rows without them, or whose prompt did not fit, score NaN from the first token that
     could not be appended).
 
-    A copy, not a rollback of ``lengths``: appending can overwrite rows the generation still
-    needs (the exact recent-token rings slot = pos % W, whose evicted token is written to codes;
-    the ring of a sliding-window layer), so the scored continuation must not touch the cache that
-    generation reads.
+    A copy, not a rollback of ``lengths``: the S - 1 appended tokens overwrite ring slots
+    (slot = pos % W: a cache's exact recent tokens, a sliding-window layer) that generation still
+    reads after the prompt, and resetting ``lengths`` would not bring them back.
     """
     s = forced.shape[1]
 
