@@ -37,10 +37,15 @@ def draw_cells(rng: np.random.Generator, depths: Sequence[float], trials: int) -
     return [(d, int(k)) for d in depths for k in rng.integers(10000, 100000, size=trials)]
 
 
+def by_depth(rows: Sequence[dict[str, Any]], n_depths: int, trials: int) -> list[Sequence[dict[str, Any]]]:
+    """One length's trial rows (``run_trials``, ``trials`` per depth in order, as ``draw_cells``
+    lays them out) -> one list of ``trials`` rows per depth."""
+    return [rows[i * trials:(i + 1) * trials] for i in range(n_depths)]
+
+
 def cell_scores(rows: Sequence[dict[str, Any]], n_depths: int, trials: int) -> tuple[list[float], list[float]]:
-    """One length's trial rows (``run_trials``, ``trials`` per depth in order) -> (accuracy, mean
-    log p(key)) per depth."""
-    cells = [rows[i * trials:(i + 1) * trials] for i in range(n_depths)]
+    """One length's trial rows (:func:`by_depth`) -> (accuracy, mean log p(key)) per depth."""
+    cells = by_depth(rows, n_depths, trials)
     return [sum(r["correct"] for r in c) / trials for c in cells], [mean_key_logp(c) for c in cells]
 
 
@@ -68,8 +73,8 @@ def niah_grid(model: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[
                                   prefill_chunk)
                 pbar.update(len(rows))
                 acc, logp = cell_scores(rows, len(depths), trials)
-                out["results"][lab]["cells"] += [{"length": length, "depth": d, "trials": rows[i * trials:(i + 1) * trials]}
-                                                 for i, d in enumerate(depths)]
+                out["results"][lab]["cells"] += [{"length": length, "depth": d, "trials": cell}
+                                                 for d, cell in zip(depths, by_depth(rows, len(depths), trials))]
                 out["results"][lab]["accuracy"].append(acc)
                 out["results"][lab]["key_logp"].append(logp)
     finally:
