@@ -155,7 +155,7 @@ class Recipe:
         return self.stages * (self.key_nbits / self.key_dsub + self.value_nbits / self.value_dsub) / 2
 
     def stored_bits(self, head_dim: int) -> float:
-        """Bits stored per element for ``head_dim``: the codes and the bf16 norm scales."""
+        """Bits stored per element for ``head_dim``: the codes and the float16 norm scales."""
         return self.bits_per_element + (16 / head_dim if self.norms else 0.0)
 
     def describe(self) -> str:
@@ -176,7 +176,7 @@ class Recipe:
         if self.finetune_steps:
             text += f"; centroids fine-tuned {self.finetune_steps} steps"
         if self.norms:
-            text += "; a bf16 norm scale per key and value (+16 bits per vector)"
+            text += "; a float16 norm scale per key and value (+16 bits per vector)"
         if self.unit:
             text += ", codes of the unit vectors"
         if self.pair_widths is not None:
@@ -222,7 +222,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("pq2-pre", 2, 4, 4, 8, rope="pre"),
     Recipe("pq2-pre-ow", 2, 4, 4, 8, output_aware=True, rope="pre"),
     Recipe("pq2-pre-kv4", 2, 4, 2, 4, rope="pre"),  # one M for keys and values: the kernel can read it
-    # norm-explicit: the recipe's codebooks plus a bf16 norm scale per key / value vector
+    # norm-explicit: the recipe's codebooks plus a float16 norm scale per key / value vector
     Recipe("pq4-pre-n", 2, 8, 2, 8, rope="pre", norms=True),
     Recipe("pq3-pre-n", 2, 6, 2, 6, rope="pre", norms=True),
     Recipe("pq3-pre-nu", 2, 6, 2, 6, rope="pre", norms=True, unit=True),

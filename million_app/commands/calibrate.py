@@ -53,7 +53,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "in the cache dtype under both protocols (a fixed cost per sequence, not per token); "
                         "default: the measured choice of the model family (Gemma 3: 4) or of --bits, else 0")
     p.add_argument("--norms", choices=("adopted", "on", "unit", "off"), default="adopted",
-                   help="norm-explicit PQ: a bf16 scale |x| / |x_hat| per key and value vector stored beside its "
+                   help="norm-explicit PQ: a float16 scale |x| / |x_hat| per key and value vector stored beside its "
                         "codes (+16 bits per vector; 'unit': the codebooks fitted on unit vectors, which the "
                         "cache then encodes; 'adopted': what --bits measured best, else off)")
     p.add_argument("--out", required=True, help=f"output .safetensors file ({KEPT})")

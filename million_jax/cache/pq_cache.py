@@ -257,7 +257,7 @@ class PQCache(ExactWindowCache):
     def bits_per_element(self) -> KVBits:
         """Bits the stored codes take per key / value element: 8 * the code array's bytes per
         token / d (codes packed at their real width: ceil(M * nbits / 8) bytes; unpacked: M
-        uint8 / uint16), plus the bf16 norm scale of norm-explicit codebooks. The codebooks are
+        uint8 / uint16), plus the float16 norm scale of norm-explicit codebooks. The codebooks are
         constants, not counted (``PQCodebooks.nbytes``)."""
         d, lay = self.head_dim, self.layers
 

@@ -372,7 +372,7 @@ class PQCodebooks:
     @property
     def bits_per_element(self) -> float:
         """Bits stored per key/value element, keys and values together: the codes, plus 16 per
-        token and head for each explicit bf16 norm scale."""
+        token and head for each explicit float16 norm scale."""
         norms = NORM_SCALE_BITS * (int(self.key_norms) + int(self.value_norms))
         return (self.key_code_bits + self.value_M * self.value_nbits + norms) / (2 * self.head_dim)
 
